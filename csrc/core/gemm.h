@@ -1,0 +1,79 @@
+// Packed, register-blocked GEMM core shared by every op: C = A · B on strided matrices of
+// fp32, bf16 or fp16, accumulated in fp32 and written in C's dtype.
+//
+// Blocking follows Goto/BLIS: for each block_n-wide column block and block_k-deep slice of K,
+// B is packed into 16-wide fp32 micro-panels (or read in place when packing would not pay),
+// A is packed block_m rows at a time into 6-row micro-panels, and a 6x16 micro-kernel
+// accumulates into an fp32 tile buffer that is converted into C at the end. The order in
+// which each output element accumulates depends only on block_k and the ISA tier, never on
+// the tiling or the thread count, so results are bitwise reproducible.
+#pragma once
+
+#include <cstdint>
+
+#include "csrc/core/dtype.h"
+#include "csrc/core/isa.h"
+
+namespace tokamax {
+
+constexpr int64_t kGemmMr = 6;   // rows of the micro-kernel tile
+constexpr int64_t kGemmNr = 16;  // columns of the micro-kernel tile (two AVX2 vectors)
+
+// A rows x cols matrix; element (i, j) is at data + (i * row_stride + j * col_stride) elements.
+struct ConstMatrix {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row_stride = 0;
+  int64_t col_stride = 0;
+};
+
+struct MutableMatrix {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row_stride = 0;
+  int64_t col_stride = 0;
+};
+
+struct GemmBlocking {
+  int64_t block_m = 96;   // rows of A packed at once (multiple of kGemmMr)
+  int64_t block_k = 256;  // depth of one packed slice of K
+  int64_t block_n = 512;  // columns of B packed at once (multiple of kGemmNr)
+  bool pack_b = true;     // false: read B in place when its columns are contiguous
+};
+
+// The per-ISA routines the driver is built from. Panels are fp32, zero-padded to full tiles.
+struct GemmKernels {
+  // dst[p][i] for p < depth, i < kGemmMr: A(row0 + r*6 + i, k0 + p) per 6-row panel r.
+  void (*pack_a)(const ConstMatrix& a, int64_t row0, int64_t rows, int64_t k0, int64_t depth,
+                 float* dst);
+  // dst panel q (q*depth*16 floats): B(k0 + p, col0 + q*16 + j) at [p][j].
+  void (*pack_b)(const ConstMatrix& b, int64_t k0, int64_t depth, int64_t col0, int64_t cols,
+                 float* dst);
+  // c[i][j] (+)= sum_p a[p*6 + i] * b[p*ldb + j] over a 6x16 tile; b's element type varies.
+  void (*micro_f32)(int64_t depth, const float* a, const float* b, int64_t ldb, float* c,
+                    int64_t ldc, bool accumulate);
+  void (*micro_bf16)(int64_t depth, const float* a, const uint16_t* b, int64_t ldb, float* c,
+                     int64_t ldc, bool accumulate);
+  void (*micro_f16)(int64_t depth, const float* a, const uint16_t* b, int64_t ldb, float* c,
+                    int64_t ldc, bool accumulate);
+  // C(row0 + i, col0 + j) = acc[i * ld + j], converted to C's dtype.
+  void (*store_c)(const float* acc, int64_t ld, int64_t rows, int64_t cols, const MutableMatrix& c,
+                  int64_t row0, int64_t col0);
+};
+
+const GemmKernels& GetGemmKernels(Isa isa);
+
+// Writes C[m0:m1, n0:n1] = A[m0:m1, :] · B[:, n0:n1] (A is M x K, B is K x N, C is M x N).
+// K == 0 writes zeros. Runs on the calling thread with thread-local scratch.
+void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b,
+                const MutableMatrix& c, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
+                const GemmBlocking& blocking);
+
+// The same product through plain scalar loops in float64; the oracle of the C++ tests.
+void ReferenceGemm(const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c);
+
+}  // namespace tokamax

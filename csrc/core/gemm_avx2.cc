@@ -1,0 +1,129 @@
+// The avx2 ISA tier (AVX2 + FMA + F16C): this file alone is built with -mavx2 -mfma -mf16c.
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "csrc/core/gemm.h"
+
+namespace tokamax {
+namespace gemm_avx2 {
+#include "csrc/core/gemm_kernels.inc"
+
+// Widens 16 consecutive B elements of row `b` into two fp32 vectors.
+inline void LoadRow16(const float* b, __m256* lo, __m256* hi) {
+  *lo = _mm256_loadu_ps(b);
+  *hi = _mm256_loadu_ps(b + 8);
+}
+
+inline void LoadRow16(const BFloat16Bits* b, __m256* lo, __m256* hi) {
+  // bf16 is the top half of an fp32: zero-extend to 32 bits and shift left by 16.
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  const __m256i lo_bits = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw));
+  const __m256i hi_bits = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1));
+  *lo = _mm256_castsi256_ps(_mm256_slli_epi32(lo_bits, 16));
+  *hi = _mm256_castsi256_ps(_mm256_slli_epi32(hi_bits, 16));
+}
+
+inline void LoadRow16(const Float16Bits* b, __m256* lo, __m256* hi) {
+  *lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+  *hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8)));
+}
+
+// 6x16 tile: 12 accumulators, 2 B vectors and 1 broadcast = 15 of the 16 ymm registers.
+// B read in place (ldb != 16) is prefetched a few rows ahead since its rows are far apart.
+template <typename T>
+void Micro6x16(int64_t depth, const float* a, const T* b, int64_t ldb, float* c, int64_t ldc,
+               bool accumulate) {
+  __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps();
+  __m256 c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
+  __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps();
+  __m256 c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
+  __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps();
+  __m256 c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+  const bool packed = ldb == kGemmNr;
+  constexpr int64_t kPrefetchRows = 8;
+#define TOKAMAX_GEMM_STEP(P)                                          \
+  {                                                                   \
+    __m256 b0, b1;                                                    \
+    LoadRow16(b + (P) * ldb, &b0, &b1);                               \
+    const float* ap = a + (P) * kGemmMr;                              \
+    __m256 av = _mm256_broadcast_ss(ap + 0);                          \
+    c00 = _mm256_fmadd_ps(av, b0, c00);                               \
+    c01 = _mm256_fmadd_ps(av, b1, c01);                               \
+    av = _mm256_broadcast_ss(ap + 1);                                 \
+    c10 = _mm256_fmadd_ps(av, b0, c10);                               \
+    c11 = _mm256_fmadd_ps(av, b1, c11);                               \
+    av = _mm256_broadcast_ss(ap + 2);                                 \
+    c20 = _mm256_fmadd_ps(av, b0, c20);                               \
+    c21 = _mm256_fmadd_ps(av, b1, c21);                               \
+    av = _mm256_broadcast_ss(ap + 3);                                 \
+    c30 = _mm256_fmadd_ps(av, b0, c30);                               \
+    c31 = _mm256_fmadd_ps(av, b1, c31);                               \
+    av = _mm256_broadcast_ss(ap + 4);                                 \
+    c40 = _mm256_fmadd_ps(av, b0, c40);                               \
+    c41 = _mm256_fmadd_ps(av, b1, c41);                               \
+    av = _mm256_broadcast_ss(ap + 5);                                 \
+    c50 = _mm256_fmadd_ps(av, b0, c50);                               \
+    c51 = _mm256_fmadd_ps(av, b1, c51);                               \
+  }
+  int64_t p = 0;
+  if (packed) {
+    for (; p + 4 <= depth; p += 4) {
+      TOKAMAX_GEMM_STEP(p + 0)
+      TOKAMAX_GEMM_STEP(p + 1)
+      TOKAMAX_GEMM_STEP(p + 2)
+      TOKAMAX_GEMM_STEP(p + 3)
+    }
+  } else {
+    for (; p + 4 <= depth; p += 4) {
+      if (p + kPrefetchRows + 4 <= depth) {
+        for (int64_t r = 0; r < 4; ++r) {
+          _mm_prefetch(reinterpret_cast<const char*>(b + (p + kPrefetchRows + r) * ldb), _MM_HINT_T0);
+        }
+      }
+      TOKAMAX_GEMM_STEP(p + 0)
+      TOKAMAX_GEMM_STEP(p + 1)
+      TOKAMAX_GEMM_STEP(p + 2)
+      TOKAMAX_GEMM_STEP(p + 3)
+    }
+  }
+  for (; p < depth; ++p) TOKAMAX_GEMM_STEP(p)
+#undef TOKAMAX_GEMM_STEP
+  __m256* rows[kGemmMr][2] = {{&c00, &c01}, {&c10, &c11}, {&c20, &c21},
+                              {&c30, &c31}, {&c40, &c41}, {&c50, &c51}};
+  for (int64_t i = 0; i < kGemmMr; ++i) {
+    float* dst = c + i * ldc;
+    __m256 lo = *rows[i][0], hi = *rows[i][1];
+    if (accumulate) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(dst));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(dst + 8));
+    }
+    _mm256_storeu_ps(dst, lo);
+    _mm256_storeu_ps(dst + 8, hi);
+  }
+}
+
+void MicroF32(int64_t depth, const float* a, const float* b, int64_t ldb, float* c, int64_t ldc,
+              bool accumulate) {
+  Micro6x16(depth, a, b, ldb, c, ldc, accumulate);
+}
+void MicroBF16(int64_t depth, const float* a, const uint16_t* b, int64_t ldb, float* c,
+               int64_t ldc, bool accumulate) {
+  Micro6x16(depth, a, reinterpret_cast<const BFloat16Bits*>(b), ldb, c, ldc, accumulate);
+}
+void MicroF16(int64_t depth, const float* a, const uint16_t* b, int64_t ldb, float* c,
+              int64_t ldc, bool accumulate) {
+  Micro6x16(depth, a, reinterpret_cast<const Float16Bits*>(b), ldb, c, ldc, accumulate);
+}
+
+}  // namespace gemm_avx2
+
+const GemmKernels& GemmKernelsAvx2() {
+  static const GemmKernels kernels = {
+      &gemm_avx2::PackA,     &gemm_avx2::PackB,    &gemm_avx2::MicroF32,
+      &gemm_avx2::MicroBF16, &gemm_avx2::MicroF16, &gemm_avx2::StoreC,
+  };
+  return kernels;
+}
+
+}  // namespace tokamax

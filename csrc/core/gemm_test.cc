@@ -1,0 +1,134 @@
+#include "csrc/core/gemm.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <tuple>
+
+#include "csrc/core/test_util.h"
+
+namespace tokamax {
+namespace {
+
+using testing::Buffer;
+
+struct GemmCase {
+  int64_t m, k, n;
+  bool transpose_a, transpose_b, pack_b;
+  GemmBlocking blocking;
+};
+
+class GemmTest : public ::testing::TestWithParam<std::tuple<Isa, DType>> {};
+
+void RunCase(Isa isa, DType dtype, const GemmCase& c) {
+  if (!IsaSupported(isa, GetCpuInfo())) GTEST_SKIP() << IsaName(isa) << " not supported here";
+  // Round random inputs through the dtype so the fp64 oracle sees exactly what the kernel sees.
+  Buffer a(dtype, c.m * c.k, 1), b(dtype, c.k * c.n, 3);
+  testing::FillRandom(a, c.m * c.k, 1);
+  testing::FillRandom(b, c.k * c.n, 2);
+  const ConstMatrix am = c.transpose_a ? ConstMatrix{a.data(), dtype, c.m, c.k, 1, c.m}
+                                       : ConstMatrix{a.data(), dtype, c.m, c.k, c.k, 1};
+  const ConstMatrix bm = c.transpose_b ? ConstMatrix{b.data(), dtype, c.k, c.n, 1, c.k}
+                                       : ConstMatrix{b.data(), dtype, c.k, c.n, c.n, 1};
+  Buffer got(dtype, c.m * c.n, 1), want(DType::kFloat32, c.m * c.n);
+  testing::Poison(got, c.m * c.n);
+  MutableMatrix gm{got.data(), dtype, c.m, c.n, c.n, 1};
+  MutableMatrix wm{want.data(), DType::kFloat32, c.m, c.n, c.n, 1};
+  GemmBlocking blocking = c.blocking;
+  blocking.pack_b = c.pack_b;
+  GemmRegion(GetGemmKernels(isa), am, bm, gm, 0, c.m, 0, c.n, blocking);
+  ReferenceGemm(am, bm, wm);
+  Buffer want_rounded(dtype, c.m * c.n);
+  for (int64_t i = 0; i < c.m * c.n; ++i) want_rounded.Set(i, want.Get(i));
+  EXPECT_LE(testing::RelativeError(got, want_rounded, c.m * c.n), testing::Tolerance(dtype))
+      << "m=" << c.m << " k=" << c.k << " n=" << c.n << " ta=" << c.transpose_a
+      << " tb=" << c.transpose_b << " pack_b=" << c.pack_b;
+}
+
+TEST_P(GemmTest, MatchesReferenceOnAwkwardShapes) {
+  const auto [isa, dtype] = GetParam();
+  const GemmBlocking small{12, 7, 32, true};   // forces every blocking loop to iterate
+  const GemmBlocking large{144, 256, 512, true};
+  for (const GemmCase& c : std::initializer_list<GemmCase>{
+           {1, 1, 1, false, false, true, large},
+           {5, 3, 17, false, false, true, small},
+           {7, 19, 33, true, false, true, small},
+           {13, 29, 15, false, true, true, small},
+           {6, 16, 16, false, false, false, small},
+           {11, 23, 47, false, false, false, small},
+           {37, 70, 65, true, true, true, small},
+           {64, 300, 100, false, false, true, large},
+           {100, 513, 40, false, false, false, large},
+       }) {
+    RunCase(isa, dtype, c);
+  }
+}
+
+TEST_P(GemmTest, ZeroDepthWritesZeros) {
+  const auto [isa, dtype] = GetParam();
+  RunCase(isa, dtype, {9, 0, 21, false, false, true, {12, 8, 32, true}});
+}
+
+TEST_P(GemmTest, SubRegionLeavesTheRestUntouched) {
+  const auto [isa, dtype] = GetParam();
+  if (!IsaSupported(isa, GetCpuInfo())) GTEST_SKIP() << IsaName(isa) << " not supported here";
+  const int64_t m = 20, k = 9, n = 40;
+  Buffer a(dtype, m * k), b(dtype, k * n), c(dtype, m * n);
+  testing::FillRandom(a, m * k, 3);
+  testing::FillRandom(b, k * n, 4);
+  testing::Poison(c, m * n);
+  GemmRegion(GetGemmKernels(isa), {a.data(), dtype, m, k, k, 1}, {b.data(), dtype, k, n, n, 1},
+             {c.data(), dtype, m, n, n, 1}, 3, 11, 5, 29, {6, 4, 16, true});
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      const bool inside = i >= 3 && i < 11 && j >= 5 && j < 29;
+      EXPECT_EQ(std::isnan(c.Get(i * n + j)), !inside) << i << "," << j;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllTiers, GemmTest,
+    ::testing::Combine(::testing::Values(Isa::kScalar, Isa::kAvx2),
+                       ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16)),
+    [](const auto& info) {
+      return std::string(IsaName(std::get<0>(info.param))) + "_" + DTypeName(std::get<1>(info.param));
+    });
+
+TEST(DTypeTest, HalfRoundTripIsExactForEveryHalf) {
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    const uint16_t half = static_cast<uint16_t>(bits);
+    const float value = HalfToFloat(half);
+    if (std::isnan(value)) {
+      EXPECT_TRUE(std::isnan(HalfToFloat(FloatToHalf(value))));
+    } else {
+      EXPECT_EQ(FloatToHalf(value), half) << bits;
+    }
+  }
+}
+
+TEST(DTypeTest, RoundsToNearestEven) {
+  EXPECT_EQ(FloatToBFloat16(BitsToFloat(0x3f808000u)), 0x3f80);  // tie, even stays
+  EXPECT_EQ(FloatToBFloat16(BitsToFloat(0x3f818000u)), 0x3f82);  // tie, odd rounds up
+  EXPECT_EQ(FloatToHalf(65520.0f), 0x7c00);                       // overflows to inf
+  EXPECT_EQ(FloatToHalf(65504.0f), 0x7bff);
+  EXPECT_EQ(FloatToHalf(5.9604645e-08f), 0x0001);                  // smallest subnormal
+  EXPECT_TRUE(std::isnan(BFloat16ToFloat(FloatToBFloat16(std::nanf("")))));
+}
+
+TEST(IsaTest, EnvironmentForcesTier) {
+  Isa isa;
+  setenv("TOKAMAX_CPU_ISA", "scalar", 1);
+  ASSERT_TRUE(ActiveIsa(&isa).ok());
+  EXPECT_EQ(isa, Isa::kScalar);
+  setenv("TOKAMAX_CPU_ISA", "sse9", 1);
+  const Status bad = ActiveIsa(&isa);
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.message().find("sse9"), std::string::npos);
+  unsetenv("TOKAMAX_CPU_ISA");
+  ASSERT_TRUE(ActiveIsa(&isa).ok());
+  EXPECT_EQ(isa, BestIsa(GetCpuInfo()));
+}
+
+}  // namespace
+}  // namespace tokamax

@@ -1,0 +1,22 @@
+// ISA tiers. Each tier's kernels live in their own translation unit built with that tier's flags;
+// the tier is chosen at run time from the CPU's features, or forced with TOKAMAX_CPU_ISA.
+#pragma once
+
+#include <string>
+
+#include "csrc/core/cpu_info.h"
+#include "csrc/core/status.h"
+
+namespace tokamax {
+
+enum class Isa : int { kScalar = 0, kAvx2 = 1 };
+
+const char* IsaName(Isa isa);
+bool IsaSupported(Isa isa, const CpuInfo& info);
+Isa BestIsa(const CpuInfo& info);
+
+// The tier kernels use now: TOKAMAX_CPU_ISA (read on every call, so tests can switch it) when
+// set, else the best supported one. A forced tier the CPU lacks, or an unknown name, is an error.
+Status ActiveIsa(Isa* isa);
+
+}  // namespace tokamax

@@ -1,0 +1,95 @@
+// ragged_dot: the grouped matrix product of mixture-of-experts layers (jax.lax.ragged_dot).
+//
+// Three dimension-number forms, the forward product and its two gradients:
+//   kDefault            lhs[M,K] · rhs[G,K,N] -> out[M,N]; group g owns rows
+//                       [sum(gs[:g]), sum(gs[:g+1])) and multiplies them by rhs[g].
+//   kTransRhs           lhs[M,K] · rhs[G,N,K]ᵀ -> out[M,N] (the lhs gradient).
+//   kRaggedContracting  lhs[M,K], rhs[M,N] -> out[G,K,N], out[g] = lhs_rows(g)ᵀ · rhs_rows(g)
+//                       (the rhs gradient).
+// Rows past sum(group_sizes) are written with zeros (forms 0 and 1); empty groups give zero
+// blocks (form 2). Torch-free: the adapter passes pointers, sizes and element strides.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "csrc/core/cpu_info.h"
+#include "csrc/core/dtype.h"
+#include "csrc/core/status.h"
+
+namespace tokamax {
+
+enum class RaggedDotForm : int { kDefault = 0, kTransRhs = 1, kRaggedContracting = 2 };
+
+const char* RaggedDotFormName(RaggedDotForm form);
+
+// Flat dimension numbers as Tokamax serialises them: six list lengths, then the lists
+// (lhs_contract, rhs_contract, lhs_batch, rhs_batch, lhs_ragged, rhs_group).
+Status ParseRaggedDotDimensionNumbers(const std::vector<int64_t>& flat, RaggedDotForm* form);
+std::vector<int64_t> RaggedDotDimensionNumbers(RaggedDotForm form);
+
+struct Tensor3View {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t sizes[3] = {0, 0, 0};
+  int64_t strides[3] = {0, 0, 0};  // in elements
+};
+
+struct RaggedDotParams {
+  RaggedDotForm form = RaggedDotForm::kDefault;
+  Tensor3View lhs;               // [M, K] in sizes[0..1]
+  Tensor3View rhs;               // [G, K, N], [G, N, K] or [M, N] (form 2, sizes[0..1])
+  const int64_t* group_sizes = nullptr;  // [G], validated by CheckRaggedDotGroupSizes
+  int64_t num_groups = 0;
+  void* out = nullptr;           // [M, N] or [G, K, N]
+  DType out_dtype = DType::kFloat32;
+  int64_t out_strides[3] = {0, 0, 0};
+};
+
+// The problem's shape as heuristics and cache keys see it.
+struct RaggedDotShape {
+  RaggedDotForm form = RaggedDotForm::kDefault;
+  int64_t m = 0;  // rows of lhs (the ragged dimension)
+  int64_t k = 0;  // columns of lhs
+  int64_t n = 0;  // the output's last dimension
+  int64_t g = 0;  // number of groups
+};
+
+// Knobs of the CPU kernel, in the order they cross the schema as int[].
+struct RaggedDotConfig {
+  int64_t block_m = 144;         // rows of A packed at once; multiple of 6
+  int64_t block_k = 256;         // depth of one packed slice of K
+  int64_t block_n = 512;         // columns per task and per packed B block; multiple of 16
+  int64_t task_m = 1152;         // rows per parallel task; multiple of block_m
+  int64_t pack_b_min_rows = 12;  // a task with fewer rows reads B in place instead of packing
+
+  static constexpr int kNumFields = 5;
+  static const char* const kFieldNames[kNumFields];
+
+  Status Validate() const;
+  std::vector<int64_t> ToVector() const;
+  static Status FromVector(const std::vector<int64_t>& values, RaggedDotConfig* config);
+  bool operator==(const RaggedDotConfig& other) const { return ToVector() == other.ToVector(); }
+};
+
+// A pure function of the shape, the input dtype and the CPU.
+RaggedDotConfig RaggedDotHeuristicConfig(const RaggedDotShape& shape, DType dtype, const CpuInfo& cpu);
+// The backward products (forms 1 and 2 of a forward default call, and vice versa) share one
+// config, derived from the forward shape.
+RaggedDotConfig RaggedDotBackwardHeuristicConfig(const RaggedDotShape& forward, DType dtype,
+                                                 const CpuInfo& cpu);
+// Candidates for the autotuner: valid configs around the heuristic one, heuristic first.
+std::vector<RaggedDotConfig> RaggedDotConfigSpace(const RaggedDotShape& shape, DType dtype,
+                                                  const CpuInfo& cpu);
+
+// Group sizes must be non-negative and sum to at most `rows` (the rows of lhs).
+Status CheckRaggedDotGroupSizes(const int64_t* group_sizes, int64_t num_groups, int64_t rows);
+
+// Runs the product with the active ISA tier and the installed parallel backend.
+Status RaggedDot(const RaggedDotParams& params, const RaggedDotConfig& config);
+
+// Plain float64 loops over the same params: the oracle of the C++ tests.
+void RaggedDotReference(const RaggedDotParams& params);
+
+}  // namespace tokamax

@@ -1,0 +1,212 @@
+// ragged_dot configs: validation, (de)serialisation, heuristics and the autotuning space.
+#include <algorithm>
+#include <cstdint>
+#include <set>
+#include <string>
+
+#include "csrc/core/gemm.h"
+#include "csrc/ops/ragged_dot/ragged_dot.h"
+
+namespace tokamax {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t RoundUp(int64_t value, int64_t multiple) { return CeilDiv(value, multiple) * multiple; }
+
+constexpr int64_t kMaxBlockM = 1536;
+constexpr int64_t kMaxBlockK = 8192;
+constexpr int64_t kMaxBlockN = 8192;
+constexpr int64_t kMaxTaskM = 65536;
+constexpr int64_t kMaxPackBMinRows = int64_t{1} << 30;
+constexpr int64_t kMaxAccumulatorBytes = int64_t{512} << 20;
+// Enough tasks for load balance on a few cores, while each task stays big enough to amortise
+// packing its B block.
+constexpr int64_t kTargetTasks = 16;
+
+Status FieldError(const char* field, const std::string& expected, int64_t got) {
+  return Status::Error(std::string("ragged_dot config: ") + field + " must be " + expected +
+                       ", got " + std::to_string(got));
+}
+
+// Rows of the per-group GEMM and its output width, by form.
+int64_t GemmRowsPerGroup(const RaggedDotShape& shape) {
+  if (shape.form == RaggedDotForm::kRaggedContracting) return shape.k;
+  return CeilDiv(std::max<int64_t>(shape.m, 1), std::max<int64_t>(shape.g, 1));
+}
+
+}  // namespace
+
+const char* const RaggedDotConfig::kFieldNames[RaggedDotConfig::kNumFields] = {
+    "block_m", "block_k", "block_n", "task_m", "pack_b_min_rows"};
+
+const char* RaggedDotFormName(RaggedDotForm form) {
+  switch (form) {
+    case RaggedDotForm::kDefault: return "DEFAULT";
+    case RaggedDotForm::kTransRhs: return "TRANS_RHS";
+    case RaggedDotForm::kRaggedContracting: return "RAGGED_CONTRACTING";
+  }
+  return "unknown";
+}
+
+std::vector<int64_t> RaggedDotDimensionNumbers(RaggedDotForm form) {
+  switch (form) {
+    case RaggedDotForm::kDefault: return {1, 1, 0, 0, 1, 1, 1, 1, 0, 0};
+    case RaggedDotForm::kTransRhs: return {1, 1, 0, 0, 1, 1, 1, 2, 0, 0};
+    case RaggedDotForm::kRaggedContracting: return {1, 1, 0, 0, 1, 0, 0, 0, 0};
+  }
+  return {};
+}
+
+Status ParseRaggedDotDimensionNumbers(const std::vector<int64_t>& flat, RaggedDotForm* form) {
+  for (RaggedDotForm candidate : {RaggedDotForm::kDefault, RaggedDotForm::kTransRhs,
+                                  RaggedDotForm::kRaggedContracting}) {
+    if (flat == RaggedDotDimensionNumbers(candidate)) {
+      *form = candidate;
+      return Status::Ok();
+    }
+  }
+  std::string got = "(";
+  for (size_t i = 0; i < flat.size(); ++i) got += (i ? "," : "") + std::to_string(flat[i]);
+  got += ")";
+  return Status::Error(
+      "ragged_dot: ragged_dot_dimension_numbers must be one of DEFAULT (1,1,0,0,1,1,1,1,0,0), "
+      "TRANS_RHS (1,1,0,0,1,1,1,2,0,0) or RAGGED_CONTRACTING (1,1,0,0,1,0,0,0,0), got " + got);
+}
+
+Status RaggedDotConfig::Validate() const {
+  if (block_m < kGemmMr || block_m > kMaxBlockM || block_m % kGemmMr != 0) {
+    return FieldError("block_m", "a multiple of 6 in [6, " + std::to_string(kMaxBlockM) + "]", block_m);
+  }
+  if (block_k < 1 || block_k > kMaxBlockK) {
+    return FieldError("block_k", "in [1, " + std::to_string(kMaxBlockK) + "]", block_k);
+  }
+  if (block_n < kGemmNr || block_n > kMaxBlockN || block_n % kGemmNr != 0) {
+    return FieldError("block_n", "a multiple of 16 in [16, " + std::to_string(kMaxBlockN) + "]", block_n);
+  }
+  if (task_m < block_m || task_m > kMaxTaskM || task_m % block_m != 0) {
+    return FieldError("task_m", "a multiple of block_m (" + std::to_string(block_m) + ") in [block_m, " +
+                                    std::to_string(kMaxTaskM) + "]",
+                      task_m);
+  }
+  if (pack_b_min_rows < 0 || pack_b_min_rows > kMaxPackBMinRows) {
+    return FieldError("pack_b_min_rows", "in [0, 2^30]", pack_b_min_rows);
+  }
+  if (task_m * block_n * 4 > kMaxAccumulatorBytes) {
+    return FieldError("task_m * block_n * 4", "at most 512 MiB of accumulator", task_m * block_n * 4);
+  }
+  return Status::Ok();
+}
+
+std::vector<int64_t> RaggedDotConfig::ToVector() const {
+  return {block_m, block_k, block_n, task_m, pack_b_min_rows};
+}
+
+Status RaggedDotConfig::FromVector(const std::vector<int64_t>& values, RaggedDotConfig* config) {
+  if (values.size() != kNumFields) {
+    return Status::Error("ragged_dot config: expected " + std::to_string(kNumFields) +
+                         " values (block_m, block_k, block_n, task_m, pack_b_min_rows), got " +
+                         std::to_string(values.size()));
+  }
+  RaggedDotConfig parsed;
+  parsed.block_m = values[0];
+  parsed.block_k = values[1];
+  parsed.block_n = values[2];
+  parsed.task_m = values[3];
+  parsed.pack_b_min_rows = values[4];
+  Status status = parsed.Validate();
+  if (!status.ok()) return status;
+  *config = parsed;
+  return Status::Ok();
+}
+
+RaggedDotConfig RaggedDotHeuristicConfig(const RaggedDotShape& shape, DType dtype, const CpuInfo& cpu) {
+  (void)dtype;  // B is widened to fp32 while packing, so the blocking is dtype-independent.
+  RaggedDotConfig config;
+  // block_k: a 16-wide fp32 B micro-panel of block_k rows must sit in L1 beside the A panel:
+  // 256 * 16 * 4 B = 16 KiB of Zen 3's 32 KiB.
+  config.block_k = cpu.l1d_bytes >= 32 * 1024 ? 256 : 128;
+  // block_m: the packed A block (block_m x block_k fp32) takes about a quarter of L2:
+  // 144 * 256 * 4 B = 144 KiB of 512 KiB. Groups smaller than that pack only their rows.
+  const int64_t rows = std::max<int64_t>(GemmRowsPerGroup(shape), 1);
+  const int64_t l2_rows = (cpu.l2_bytes / 4) / (config.block_k * 4) / kGemmMr * kGemmMr;
+  config.block_m = std::min(std::max<int64_t>(std::min<int64_t>(l2_rows, 144), kGemmMr),
+                            RoundUp(rows, kGemmMr));
+  // block_n: wide blocks amortise packing A over more micro-panels; 512 columns unless N is
+  // smaller. E.g. N = 1024 gives two column blocks per group.
+  config.block_n = std::min<int64_t>(512, RoundUp(std::max<int64_t>(shape.n, 1), kGemmNr));
+  // task_m: a whole group per task when that already gives kTargetTasks tasks, else halve.
+  // E.g. M=8192, G=8, N=1024: 1024-row groups x 2 column blocks = 16 tasks of 1152 rows.
+  const int64_t column_blocks = CeilDiv(std::max<int64_t>(shape.n, 1), config.block_n);
+  const int64_t groups = std::max<int64_t>(
+      shape.form == RaggedDotForm::kRaggedContracting ? shape.g : std::min(shape.g, shape.m), 1);
+  int64_t task_m = RoundUp(rows, config.block_m);
+  while (task_m > config.block_m && groups * column_blocks * CeilDiv(rows, task_m) < kTargetTasks) {
+    task_m = RoundUp(task_m / 2, config.block_m);
+  }
+  // Cap the per-thread fp32 accumulator (task_m x block_n) at 8 MiB.
+  const int64_t max_task_m =
+      std::min((int64_t{8} << 20) / (config.block_n * 4), kMaxTaskM) / config.block_m * config.block_m;
+  config.task_m = std::max(config.block_m, std::min(task_m, max_task_m));
+  // pack_b_min_rows: with two 6-row panels or fewer each B element is used at most twice, so
+  // packing it costs more than it saves; read B in place.
+  config.pack_b_min_rows = 2 * kGemmMr;
+  return config;
+}
+
+RaggedDotConfig RaggedDotBackwardHeuristicConfig(const RaggedDotShape& forward, DType dtype,
+                                                 const CpuInfo& cpu) {
+  // The lhs gradient has the forward's shape with K and N swapped; it dominates MoE backward
+  // time together with the rhs gradient, whose per-group rows are K.
+  RaggedDotShape dlhs = forward;
+  dlhs.form = RaggedDotForm::kTransRhs;
+  std::swap(dlhs.k, dlhs.n);
+  return RaggedDotHeuristicConfig(dlhs, dtype, cpu);
+}
+
+std::vector<RaggedDotConfig> RaggedDotConfigSpace(const RaggedDotShape& shape, DType dtype,
+                                                  const CpuInfo& cpu) {
+  const RaggedDotConfig heuristic = RaggedDotHeuristicConfig(shape, dtype, cpu);
+  std::vector<RaggedDotConfig> space = {heuristic};
+  std::set<std::vector<int64_t>> seen = {heuristic.ToVector()};
+  const int64_t rows = std::max<int64_t>(GemmRowsPerGroup(shape), 1);
+  const int64_t max_n = RoundUp(std::max<int64_t>(shape.n, 1), kGemmNr);
+  for (int64_t block_m : {72, 144}) {
+    const int64_t bm = std::min(block_m, RoundUp(rows, kGemmMr));
+    for (int64_t block_k : {128, 256, 512}) {
+      for (int64_t block_n : {256, 512, 1024}) {
+        const int64_t bn = std::min(block_n, max_n);
+        for (int64_t pack_b_min_rows : {0, 12, 48}) {
+          RaggedDotConfig config;
+          config.block_m = bm;
+          config.block_k = block_k;
+          config.block_n = bn;
+          config.task_m = std::max(bm, RoundUp(heuristic.task_m, bm));
+          config.pack_b_min_rows = pack_b_min_rows;
+          if (!config.Validate().ok() || !seen.insert(config.ToVector()).second) continue;
+          space.push_back(config);
+        }
+      }
+    }
+  }
+  return space;
+}
+
+Status CheckRaggedDotGroupSizes(const int64_t* group_sizes, int64_t num_groups, int64_t rows) {
+  __int128 total = 0;  // wide enough that no int64 group sizes can overflow it
+  for (int64_t g = 0; g < num_groups; ++g) {
+    if (group_sizes[g] < 0) {
+      return Status::Error("ragged_dot: group_sizes must be non-negative, got group_sizes[" +
+                           std::to_string(g) + "] = " + std::to_string(group_sizes[g]));
+    }
+    total += group_sizes[g];
+  }
+  if (total > rows) {
+    const std::string got = total > INT64_MAX ? std::string("more than 2^63") :
+                                                std::to_string(static_cast<int64_t>(total));
+    return Status::Error("ragged_dot: sum(group_sizes) must be at most the number of rows of lhs (" +
+                         std::to_string(rows) + "), got " + got);
+  }
+  return Status::Ok();
+}
+
+}  // namespace tokamax
