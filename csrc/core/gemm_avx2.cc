@@ -30,7 +30,6 @@ inline void LoadRow16(const Float16Bits* b, __m256* lo, __m256* hi) {
 }
 
 // 6x16 tile: 12 accumulators, 2 B vectors and 1 broadcast = 15 of the 16 ymm registers.
-// B read in place (ldb != 16) is prefetched a few rows ahead since its rows are far apart.
 template <typename T>
 void Micro6x16(int64_t depth, const float* a, const T* b, int64_t ldb, float* c, int64_t ldc,
                bool accumulate) {
@@ -41,7 +40,7 @@ void Micro6x16(int64_t depth, const float* a, const T* b, int64_t ldb, float* c,
   __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps();
   __m256 c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
   const bool packed = ldb == kGemmNr;
-  constexpr int64_t kPrefetchRows = 8;
+  constexpr int64_t kPrefetchBytes = 256;
 #define TOKAMAX_GEMM_STEP(P)                                          \
   {                                                                   \
     __m256 b0, b1;                                                    \
@@ -75,11 +74,11 @@ void Micro6x16(int64_t depth, const float* a, const T* b, int64_t ldb, float* c,
       TOKAMAX_GEMM_STEP(p + 3)
     }
   } else {
+    // In place, B's rows are far apart but each row is walked left to right panel by panel:
+    // prefetch the same row four cache lines ahead, which the next panels will read.
     for (; p + 4 <= depth; p += 4) {
-      if (p + kPrefetchRows + 4 <= depth) {
-        for (int64_t r = 0; r < 4; ++r) {
-          _mm_prefetch(reinterpret_cast<const char*>(b + (p + kPrefetchRows + r) * ldb), _MM_HINT_T0);
-        }
+      for (int64_t r = 0; r < 4; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(b + (p + r) * ldb) + kPrefetchBytes, _MM_HINT_T0);
       }
       TOKAMAX_GEMM_STEP(p + 0)
       TOKAMAX_GEMM_STEP(p + 1)
