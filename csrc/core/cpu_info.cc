@@ -73,10 +73,10 @@ std::string MicroarchitectureName(const CpuInfo& info) {
       return zen4 ? "zen4" : "zen3";
     }
     if (info.family == 0x1a) return "zen5";
-    return "amd_family" + std::to_string(info.family);
+    return "family" + std::to_string(info.family);
   }
   if (info.vendor == "intel") {
-    if (info.family != 6) return "intel_family" + std::to_string(info.family);
+    if (info.family != 6) return "family" + std::to_string(info.family);
     switch (info.model) {
       case 0x3c: case 0x3f: case 0x45: case 0x46: return "haswell";
       case 0x3d: case 0x47: case 0x4f: case 0x56: return "broadwell";
@@ -87,7 +87,7 @@ std::string MicroarchitectureName(const CpuInfo& info) {
       case 0xcf: return "emeraldrapids";
       case 0xad: case 0xae: return "graniterapids";
       case 0x97: case 0x9a: case 0xb7: case 0xba: case 0xbf: return "alderlake";
-      default: return "intel_model" + std::to_string(info.model);
+      default: return "model" + std::to_string(info.model);
     }
   }
   if (info.vendor == "arm") return "aarch64";

@@ -7,18 +7,23 @@
 
 namespace tokamax {
 
-enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+// kFloat64 is served by plain double-precision loops (for gradcheck and oracles), not by the
+// packed fp32 GEMM.
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat64 = 3 };
 
 inline const char* DTypeName(DType dtype) {
   switch (dtype) {
     case DType::kFloat32: return "float32";
     case DType::kBFloat16: return "bfloat16";
     case DType::kFloat16: return "float16";
+    case DType::kFloat64: return "float64";
   }
   return "unknown";
 }
 
-inline int64_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+inline int64_t DTypeSize(DType dtype) {
+  return dtype == DType::kFloat64 ? 8 : (dtype == DType::kFloat32 ? 4 : 2);
+}
 
 inline float BitsToFloat(uint32_t bits) {
   float value;
@@ -99,16 +104,21 @@ inline float LoadAsFloat<BFloat16Bits>(const BFloat16Bits* ptr) { return BFloat1
 template <>
 inline float LoadAsFloat<Float16Bits>(const Float16Bits* ptr) { return HalfToFloat(ptr->bits); }
 
+template <>
+inline float LoadAsFloat<double>(const double* ptr) { return static_cast<float>(*ptr); }
+
 inline void StoreFromFloat(float* ptr, float value) { *ptr = value; }
+inline void StoreFromFloat(double* ptr, float value) { *ptr = value; }
 inline void StoreFromFloat(BFloat16Bits* ptr, float value) { ptr->bits = FloatToBFloat16(value); }
 inline void StoreFromFloat(Float16Bits* ptr, float value) { ptr->bits = FloatToHalf(value); }
 
-// Calls fn(T{}) with T the storage type of `dtype`: float, BFloat16Bits or Float16Bits.
+// Calls fn(T{}) with T the storage type of `dtype`: float, BFloat16Bits, Float16Bits or double.
 template <typename Fn>
 inline auto DispatchDType(DType dtype, Fn&& fn) {
   switch (dtype) {
     case DType::kBFloat16: return fn(BFloat16Bits{});
     case DType::kFloat16: return fn(Float16Bits{});
+    case DType::kFloat64: return fn(double{});
     case DType::kFloat32: break;
   }
   return fn(float{});

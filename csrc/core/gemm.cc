@@ -71,12 +71,33 @@ void MicroInPlace(const GemmKernels& kernels, const ConstMatrix& b, int64_t dept
   }
 }
 
+// float64 (A, B and C): exact double-precision loops, for gradcheck and oracles.
+void GemmRegionFloat64(const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c, int64_t m0,
+                       int64_t m1, int64_t n0, int64_t n1) {
+  const double* a_data = static_cast<const double*>(a.data);
+  const double* b_data = static_cast<const double*>(b.data);
+  double* c_data = static_cast<double*>(c.data);
+  for (int64_t i = m0; i < m1; ++i) {
+    for (int64_t j = n0; j < n1; ++j) {
+      double sum = 0.0;
+      for (int64_t p = 0; p < a.cols; ++p) {
+        sum += a_data[i * a.row_stride + p * a.col_stride] * b_data[p * b.row_stride + j * b.col_stride];
+      }
+      c_data[i * c.row_stride + j * c.col_stride] = sum;
+    }
+  }
+}
+
 }  // namespace
 
 void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b,
                 const MutableMatrix& c, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
                 const GemmBlocking& blocking) {
   if (m1 <= m0 || n1 <= n0) return;
+  if (a.dtype == DType::kFloat64) {
+    GemmRegionFloat64(a, b, c, m0, m1, n0, n1);
+    return;
+  }
   GemmScratch& scratch = ThreadScratch();
   const int64_t depth_total = a.cols;
   const int64_t rows = m1 - m0;

@@ -1,0 +1,196 @@
+"""ragged_dot: the grouped matrix product of mixture-of-experts layers.
+
+``ragged_dot(lhs[M,K], rhs[G,K,N], group_sizes[G]) -> out[M,N]``: group ``g`` owns rows
+``[sum(gs[:g]), sum(gs[:g+1]))`` of ``lhs`` and multiplies them by ``rhs[g]``; rows past
+``sum(group_sizes)`` are zero. The semantics are those of ``jax.lax.ragged_dot`` and Tokamax.
+The math, checks and autograd live in C++ (``csrc/torch/ragged_dot.cc``); this module only
+turns Python arguments into the schema's primitives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Union
+
+import torch
+
+from tokamax_torch import configs as _configs
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedDotDimensionNumbers:
+    """Which dimensions contract, batch, are ragged and index the groups (as in JAX)."""
+
+    lhs_contracting_dimensions: tuple[int, ...]
+    rhs_contracting_dimensions: tuple[int, ...]
+    lhs_batch_dimensions: tuple[int, ...]
+    rhs_batch_dimensions: tuple[int, ...]
+    lhs_ragged_dimensions: tuple[int, ...]
+    rhs_group_dimensions: tuple[int, ...]
+
+    def flatten(self) -> list[int]:
+        """Tokamax's serialisation: six lengths, then the six lists concatenated."""
+        lists = (
+            self.lhs_contracting_dimensions,
+            self.rhs_contracting_dimensions,
+            self.lhs_batch_dimensions,
+            self.rhs_batch_dimensions,
+            self.lhs_ragged_dimensions,
+            self.rhs_group_dimensions,
+        )
+        return [len(x) for x in lists] + [d for x in lists for d in x]
+
+
+#: lhs[M,K] · rhs[G,K,N] -> out[M,N] (the forward product).
+DEFAULT = RaggedDotDimensionNumbers((1,), (1,), (), (), (0,), (0,))
+#: lhs[M,K] · rhs[G,N,K]ᵀ -> out[M,N] (the lhs gradient).
+TRANS_RHS = RaggedDotDimensionNumbers((1,), (2,), (), (), (0,), (0,))
+#: lhs[M,K], rhs[M,N] -> out[G,K,N], out[g] = lhs_rows(g)ᵀ · rhs_rows(g) (the rhs gradient).
+RAGGED_CONTRACTING = RaggedDotDimensionNumbers((0,), (0,), (), (), (0,), ())
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Blocking of the CPU kernel; mirrors ``tokamax::RaggedDotConfig`` field for field.
+
+    block_m: rows of A packed at once (multiple of 6). block_k: depth of one packed K slice.
+    block_n: columns per task and per packed B block (multiple of 16). task_m: rows per
+    parallel task (multiple of block_m). pack_b_min_rows: tasks with fewer rows read B in
+    place instead of packing it.
+    """
+
+    block_m: int
+    block_k: int
+    block_n: int
+    task_m: int
+    pack_b_min_rows: int
+
+    __post_init__ = _configs.make_validator(
+        lambda values: torch.ops.tokamax._ragged_dot_validate_config(values)
+    )
+
+    def to_list(self) -> list[int]:
+        return [self.block_m, self.block_k, self.block_n, self.task_m, self.pack_b_min_rows]
+
+
+_configs.check_fields_match(Config, torch.ops.tokamax._ragged_dot_config_fields())
+
+DimensionNumbersLike = Union[RaggedDotDimensionNumbers, Sequence[int], None]
+DTypeLike = Union[torch.dtype, str, None]
+ConfigLike = Union[Config, Sequence[int], None]
+
+
+def _flat_dimension_numbers(dimension_numbers: DimensionNumbersLike) -> Optional[list[int]]:
+    if dimension_numbers is None:
+        return None
+    if isinstance(dimension_numbers, RaggedDotDimensionNumbers):
+        return dimension_numbers.flatten()
+    return [int(d) for d in dimension_numbers]
+
+
+def _dtype(preferred_element_type: DTypeLike) -> Optional[torch.dtype]:
+    if preferred_element_type is None or isinstance(preferred_element_type, torch.dtype):
+        return preferred_element_type
+    if isinstance(preferred_element_type, str) and isinstance(
+        getattr(torch, preferred_element_type, None), torch.dtype
+    ):
+        return getattr(torch, preferred_element_type)
+    raise TypeError(
+        "ragged_dot: preferred_element_type must be a torch.dtype, a dtype name or None, "
+        f"got {preferred_element_type!r}"
+    )
+
+
+def _split_configs(configs) -> tuple[ConfigLike, ConfigLike]:
+    if configs is None:
+        return None, None
+    if not isinstance(configs, (tuple, list)) or len(configs) != 2:
+        raise TypeError(f"ragged_dot: configs must be a (fwd, bwd) pair or None, got {configs!r}")
+    return configs[0], configs[1]
+
+
+class _RaggedDot:
+    """A ragged_dot implementation; ``reference`` and ``kernel`` share this signature."""
+
+    def __init__(self, name: str, op) -> None:
+        self.name = name
+        self._op = op
+
+    @property
+    def op(self):
+        """The registered ``torch.ops.tokamax`` overload this singleton calls."""
+        return self._op
+
+    def __repr__(self) -> str:
+        return f"tokamax_torch.ops.ragged_dot.{self.name}"
+
+    def __call__(
+        self,
+        lhs: torch.Tensor,
+        rhs: torch.Tensor,
+        group_sizes: torch.Tensor,
+        *,
+        ragged_dot_dimension_numbers: DimensionNumbersLike = None,
+        preferred_element_type: DTypeLike = None,
+        configs=None,
+    ) -> torch.Tensor:
+        fwd, bwd = _split_configs(configs)
+        return self._op(
+            lhs,
+            rhs,
+            group_sizes,
+            _flat_dimension_numbers(ragged_dot_dimension_numbers),
+            _dtype(preferred_element_type),
+            _configs.config_to_list(fwd),
+            _configs.config_to_list(bwd),
+        )
+
+    def get_configs(
+        self,
+        lhs: torch.Tensor,
+        rhs: torch.Tensor,
+        group_sizes: torch.Tensor,
+        *,
+        ragged_dot_dimension_numbers: DimensionNumbersLike = None,
+        preferred_element_type: DTypeLike = None,
+        configs=None,
+    ) -> tuple[Optional[Config], Optional[Config]]:
+        """Heuristic (fwd, bwd) configs for these arguments; (None, None) for the reference."""
+        if self._op is torch.ops.tokamax.ragged_dot_reference.default:
+            return None, None
+        args = (
+            lhs,
+            rhs,
+            group_sizes,
+            _flat_dimension_numbers(ragged_dot_dimension_numbers),
+            _dtype(preferred_element_type),
+        )
+        heuristic = torch.ops.tokamax._ragged_dot_heuristic_config
+        return Config(*heuristic(*args, False)), Config(*heuristic(*args, True))
+
+    def config_space(self, lhs, rhs, group_sizes, *, backward: bool = False, **kwargs) -> list[Config]:
+        """The autotuning candidates for these arguments, heuristic first."""
+        flat = torch.ops.tokamax._ragged_dot_config_space(
+            lhs,
+            rhs,
+            group_sizes,
+            _flat_dimension_numbers(kwargs.get("ragged_dot_dimension_numbers")),
+            _dtype(kwargs.get("preferred_element_type")),
+            backward,
+        )
+        n = len(dataclasses.fields(Config))
+        return [Config(*flat[i : i + n]) for i in range(0, len(flat), n)]
+
+
+reference = _RaggedDot("reference", torch.ops.tokamax.ragged_dot_reference.default)
+kernel = _RaggedDot("kernel", torch.ops.tokamax.ragged_dot.default)
+
+__all__ = [
+    "Config",
+    "DEFAULT",
+    "RAGGED_CONTRACTING",
+    "RaggedDotDimensionNumbers",
+    "TRANS_RHS",
+    "kernel",
+    "reference",
+]
