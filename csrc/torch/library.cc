@@ -1,14 +1,17 @@
 // The tokamax:: operator library: the one TORCH_LIBRARY block (each op adds a fragment in its
 // own file) and the hook that runs the core's parallel_for on torch's thread pool.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <string>
 #include <vector>
 
 #include "csrc/core/cpu_info.h"
 #include "csrc/core/isa.h"
 #include "csrc/core/parallel.h"
+#include "csrc/core/roofline.h"
 
 namespace tokamax {
 namespace {
@@ -34,9 +37,41 @@ std::vector<std::string> CpuDescription() {
           std::to_string(info.l2_bytes), std::to_string(info.l3_bytes)};
 }
 
+// Ceilings for benchmarks, measured on every torch thread at once:
+// [fp32 FMA GFLOP/s with the active tier, with AVX-512 (0 if absent), read GB/s of `buffer`].
+std::vector<double> MeasureCeilings(const at::Tensor& buffer, int64_t fma_iterations) {
+  TORCH_CHECK(buffer.scalar_type() == at::kFloat && buffer.is_contiguous() && buffer.device().is_cpu(),
+              "_measure_ceilings: buffer must be a contiguous CPU float32 tensor");
+  Isa isa;
+  const Status status = ActiveIsa(&isa);
+  TORCH_CHECK(status.ok(), status.message());
+  const int64_t threads = at::get_num_threads();
+  std::vector<double> fma(threads), fma512(threads), bandwidth(threads);
+  const int64_t chunk = buffer.numel() / threads;
+  const float* data = buffer.const_data_ptr<float>();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) fma[t] = MeasureFmaPeakGflops(isa, fma_iterations);
+  });
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) fma512[t] = MeasureFmaPeakAvx512Gflops(fma_iterations);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) bandwidth[t] = MeasureReadBandwidthGbps(data + t * chunk, chunk);
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  double fma_total = 0.0, fma512_total = 0.0;
+  for (int64_t t = 0; t < threads; ++t) {
+    fma_total += fma[t];
+    fma512_total += fma512[t];
+  }
+  return {fma_total, fma512_total, static_cast<double>(chunk * threads) * 4 / seconds * 1e-9};
+}
+
 }  // namespace
 }  // namespace tokamax
 
 TORCH_LIBRARY(tokamax, m) {
   m.def("_cpu_description() -> str[]", &tokamax::CpuDescription);
+  m.def("_measure_ceilings(Tensor buffer, int fma_iterations) -> float[]", &tokamax::MeasureCeilings);
 }

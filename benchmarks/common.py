@@ -1,0 +1,65 @@
+"""Shared benchmark plumbing: timing, the ceilings probe, machine description, output files."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import platform
+import statistics
+import time
+
+import torch
+
+import tokamax_torch
+
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def time_fn(fn, *, warmup: int = 1, reps: int = 5, min_seconds: float = 0.0) -> dict:
+    """Median and min wall time of fn() in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    start = time.perf_counter()
+    while len(samples) < reps or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(samples), "min_ms": min(samples), "samples": len(samples)}
+
+
+def measure_ceilings() -> dict:
+    """fp32 FMA peak (active ISA tier and AVX-512) and DRAM read bandwidth, on all threads."""
+    buffer = torch.ones(2**26)  # 256 MiB, far past the last-level cache of the dev machine
+    best = [0.0, 0.0, 0.0]
+    for _ in range(3):
+        probe = torch.ops.tokamax._measure_ceilings(buffer, 100_000_000)
+        best = [max(a, b) for a, b in zip(best, probe)]
+    return {"fma_gflops": best[0], "fma_avx512_gflops": best[1], "read_gbps": best[2]}
+
+
+def machine() -> dict:
+    desc = torch.ops.tokamax._cpu_description()
+    model = "unknown"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "device_kind": tokamax_torch.device_kind(),
+        "l1d_l2_l3_bytes": [int(x) for x in desc[3:6]],
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def write_json(name: str, payload: dict) -> pathlib.Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    return path
