@@ -81,8 +81,18 @@ def test_matches_float64_oracle(impl, dtype, form, m, k, n, g):
     assert_matches_oracle(out, lhs, rhs, gs, form)
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+ISA_TIERS = ["scalar", "avx2", "avx512"]
+
+
+def _supported_tiers():
+    best = tokamax_torch.device_kind().rsplit("_", 1)[1]
+    return ISA_TIERS[: ISA_TIERS.index(best) + 1]
+
+
+@pytest.mark.parametrize("isa", ISA_TIERS)
 def test_every_isa_tier(impl, isa, monkeypatch):
+    if isa not in _supported_tiers():
+        pytest.skip(f"this CPU has no {isa}")
     monkeypatch.setenv("TOKAMAX_CPU_ISA", isa)
     for form in FORMS.values():
         lhs, rhs, gs = make_operands(form, 45, 33, 29, 4, torch.float32)
@@ -151,6 +161,19 @@ def test_zero_sizes(impl, m, k, n, g):
         out = impl(lhs, rhs, gs, ragged_dot_dimension_numbers=form)
         assert_matches_oracle(out, lhs, rhs, gs, form)
         assert not out.isnan().any()
+
+
+def test_unknown_isa_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TOKAMAX_CPU_ISA", "sse9")
+    lhs, rhs, gs = make_operands(rd.DEFAULT, 8, 4, 4, 2, torch.float32)
+    with pytest.raises(RuntimeError, match="TOKAMAX_CPU_ISA: expected one of 'scalar', 'avx2', 'avx512', got 'sse9'"):
+        rd.kernel(lhs, rhs, gs)
+
+
+def test_device_kind():
+    kind = tokamax_torch.device_kind()
+    assert kind == kind.lower() and kind.count("_") >= 2 and kind.rsplit("_", 1)[1] in ISA_TIERS
+    assert tokamax_torch.device_kind("cpu") == kind
 
 
 def test_bitwise_deterministic_across_runs_and_threads(impl):

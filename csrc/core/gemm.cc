@@ -12,9 +12,15 @@ namespace tokamax {
 
 const GemmKernels& GemmKernelsScalar();
 const GemmKernels& GemmKernelsAvx2();
+const GemmKernels& GemmKernelsAvx512();
 
 const GemmKernels& GetGemmKernels(Isa isa) {
-  return isa == Isa::kAvx2 ? GemmKernelsAvx2() : GemmKernelsScalar();
+  switch (isa) {
+    case Isa::kAvx512: return GemmKernelsAvx512();
+    case Isa::kAvx2: return GemmKernelsAvx2();
+    case Isa::kScalar: break;
+  }
+  return GemmKernelsScalar();
 }
 
 namespace {
@@ -99,18 +105,22 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
     return;
   }
   GemmScratch& scratch = ThreadScratch();
+  const int64_t mr = kernels.mr;
+  const int64_t nr = kernels.nr;
   const int64_t depth_total = a.cols;
   const int64_t rows = m1 - m0;
-  const int64_t rows_padded = RoundUp(rows, kGemmMr);
-  const int64_t block_m = blocking.block_m;
+  const int64_t rows_padded = RoundUp(rows, mr);
+  // A tier whose tile is taller than block_m's granularity rounds block_m up to whole tiles,
+  // so micro-kernel tiles never straddle two row blocks.
+  const int64_t block_m = RoundUp(blocking.block_m, mr);
   const int64_t block_k = blocking.block_k;
   // Reading B in place needs contiguous columns.
   const bool in_place_b = !blocking.pack_b && b.col_stride == 1;
 
   for (int64_t jc = n0; jc < n1; jc += blocking.block_n) {
     const int64_t cols = std::min(blocking.block_n, n1 - jc);
-    const int64_t cols_padded = RoundUp(cols, kGemmNr);
-    const int64_t full_panels = cols / kGemmNr;
+    const int64_t cols_padded = RoundUp(cols, nr);
+    const int64_t full_panels = cols / nr;
     float* acc = scratch.acc.Get(rows_padded * cols_padded);
     if (depth_total == 0) std::memset(acc, 0, sizeof(float) * rows_padded * cols_padded);
 
@@ -122,30 +132,30 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
       if (!in_place_b) {
         b_pack = scratch.b_pack.Get(depth * cols_padded);
         kernels.pack_b(b, pc, depth, jc, cols, b_pack);
-      } else if (cols > full_panels * kGemmNr) {
+      } else if (cols > full_panels * nr) {
         // The last, partial panel is packed so the micro-kernel never reads past B's columns.
-        b_tail = scratch.b_tail.Get(depth * kGemmNr);
-        kernels.pack_b(b, pc, depth, jc + full_panels * kGemmNr, cols - full_panels * kGemmNr, b_tail);
+        b_tail = scratch.b_tail.Get(depth * nr);
+        kernels.pack_b(b, pc, depth, jc + full_panels * nr, cols - full_panels * nr, b_tail);
       }
 
       for (int64_t ic = m0; ic < m1; ic += block_m) {
         const int64_t block_rows = std::min(block_m, m1 - ic);
-        float* a_pack = scratch.a_pack.Get(RoundUp(block_rows, kGemmMr) * depth);
+        float* a_pack = scratch.a_pack.Get(RoundUp(block_rows, mr) * depth);
         kernels.pack_a(a, ic, block_rows, pc, depth, a_pack);
         float* acc_block = acc + (ic - m0) * cols_padded;
 
-        for (int64_t jr = 0; jr < cols; jr += kGemmNr) {
-          const int64_t panel = jr / kGemmNr;
-          for (int64_t ir = 0; ir < block_rows; ir += kGemmMr) {
+        for (int64_t jr = 0; jr < cols; jr += nr) {
+          const int64_t panel = jr / nr;
+          for (int64_t ir = 0; ir < block_rows; ir += mr) {
             const float* a_panel = a_pack + ir * depth;
             float* c_tile = acc_block + ir * cols_padded + jr;
             if (!in_place_b) {
-              kernels.micro_f32(depth, a_panel, b_pack + panel * depth * kGemmNr, kGemmNr, c_tile,
+              kernels.micro_f32(depth, a_panel, b_pack + panel * depth * nr, nr, c_tile,
                                 cols_padded, accumulate);
             } else if (panel < full_panels) {
               MicroInPlace(kernels, b, depth, a_panel, pc, jc + jr, c_tile, cols_padded, accumulate);
             } else {
-              kernels.micro_f32(depth, a_panel, b_tail, kGemmNr, c_tile, cols_padded, accumulate);
+              kernels.micro_f32(depth, a_panel, b_tail, nr, c_tile, cols_padded, accumulate);
             }
           }
         }

@@ -16,8 +16,11 @@
 
 namespace tokamax {
 
-constexpr int64_t kGemmMr = 6;   // rows of the micro-kernel tile
-constexpr int64_t kGemmNr = 16;  // columns of the micro-kernel tile (two AVX2 vectors)
+// Granularity of the blocking knobs: block_m is a multiple of kGemmMr and block_n of kGemmNr
+// on every tier. A tier's own tile (GemmKernels::mr x nr) may be larger: avx512 uses 12 x 32,
+// and partial tiles are zero-padded.
+constexpr int64_t kGemmMr = 6;
+constexpr int64_t kGemmNr = 16;
 
 // A rows x cols matrix; element (i, j) is at data + (i * row_stride + j * col_stride) elements.
 struct ConstMatrix {
@@ -47,13 +50,15 @@ struct GemmBlocking {
 
 // The per-ISA routines the driver is built from. Panels are fp32, zero-padded to full tiles.
 struct GemmKernels {
-  // dst[p][i] for p < depth, i < kGemmMr: A(row0 + r*6 + i, k0 + p) per 6-row panel r.
+  int64_t mr;  // rows of the micro-kernel tile
+  int64_t nr;  // columns of the micro-kernel tile
+  // dst[p][i] for p < depth, i < mr: A(row0 + r*mr + i, k0 + p) per mr-row panel r.
   void (*pack_a)(const ConstMatrix& a, int64_t row0, int64_t rows, int64_t k0, int64_t depth,
                  float* dst);
-  // dst panel q (q*depth*16 floats): B(k0 + p, col0 + q*16 + j) at [p][j].
+  // dst panel q (q*depth*nr floats): B(k0 + p, col0 + q*nr + j) at [p][j].
   void (*pack_b)(const ConstMatrix& b, int64_t k0, int64_t depth, int64_t col0, int64_t cols,
                  float* dst);
-  // c[i][j] (+)= sum_p a[p*6 + i] * b[p*ldb + j] over a 6x16 tile; b's element type varies.
+  // c[i][j] (+)= sum_p a[p*mr + i] * b[p*ldb + j] over an mr x nr tile; b's type varies.
   void (*micro_f32)(int64_t depth, const float* a, const float* b, int64_t ldb, float* c,
                     int64_t ldc, bool accumulate);
   void (*micro_bf16)(int64_t depth, const float* a, const uint16_t* b, int64_t ldb, float* c,

@@ -7,6 +7,8 @@
 
 namespace tokamax {
 namespace gemm_avx2 {
+constexpr int64_t kMr = 6;
+constexpr int64_t kNr = 16;
 #include "csrc/core/gemm_kernels.inc"
 
 // Widens 16 consecutive B elements of row `b` into two fp32 vectors.
@@ -39,13 +41,13 @@ void Micro6x16(int64_t depth, const float* a, const T* b, int64_t ldb, float* c,
   __m256 c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
   __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps();
   __m256 c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
-  const bool packed = ldb == kGemmNr;
+  const bool packed = ldb == kNr;
   constexpr int64_t kPrefetchBytes = 256;
 #define TOKAMAX_GEMM_STEP(P)                                          \
   {                                                                   \
     __m256 b0, b1;                                                    \
     LoadRow16(b + (P) * ldb, &b0, &b1);                               \
-    const float* ap = a + (P) * kGemmMr;                              \
+    const float* ap = a + (P) * kMr;                              \
     __m256 av = _mm256_broadcast_ss(ap + 0);                          \
     c00 = _mm256_fmadd_ps(av, b0, c00);                               \
     c01 = _mm256_fmadd_ps(av, b1, c01);                               \
@@ -88,9 +90,9 @@ void Micro6x16(int64_t depth, const float* a, const T* b, int64_t ldb, float* c,
   }
   for (; p < depth; ++p) TOKAMAX_GEMM_STEP(p)
 #undef TOKAMAX_GEMM_STEP
-  __m256* rows[kGemmMr][2] = {{&c00, &c01}, {&c10, &c11}, {&c20, &c21},
+  __m256* rows[kMr][2] = {{&c00, &c01}, {&c10, &c11}, {&c20, &c21},
                               {&c30, &c31}, {&c40, &c41}, {&c50, &c51}};
-  for (int64_t i = 0; i < kGemmMr; ++i) {
+  for (int64_t i = 0; i < kMr; ++i) {
     float* dst = c + i * ldc;
     __m256 lo = *rows[i][0], hi = *rows[i][1];
     if (accumulate) {
@@ -119,6 +121,7 @@ void MicroF16(int64_t depth, const float* a, const uint16_t* b, int64_t ldb, flo
 
 const GemmKernels& GemmKernelsAvx2() {
   static const GemmKernels kernels = {
+      gemm_avx2::kMr,        gemm_avx2::kNr,
       &gemm_avx2::PackA,     &gemm_avx2::PackB,    &gemm_avx2::MicroF32,
       &gemm_avx2::MicroBF16, &gemm_avx2::MicroF16, &gemm_avx2::StoreC,
   };

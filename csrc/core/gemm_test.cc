@@ -89,7 +89,7 @@ TEST_P(GemmTest, SubRegionLeavesTheRestUntouched) {
 
 INSTANTIATE_TEST_SUITE_P(
     AllTiers, GemmTest,
-    ::testing::Combine(::testing::Values(Isa::kScalar, Isa::kAvx2),
+    ::testing::Combine(::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512),
                        ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16)),
     [](const auto& info) {
       return std::string(IsaName(std::get<0>(info.param))) + "_" + DTypeName(std::get<1>(info.param));

@@ -9,7 +9,7 @@
 
 namespace tokamax {
 
-enum class Isa : int { kScalar = 0, kAvx2 = 1 };
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 const char* IsaName(Isa isa);
 bool IsaSupported(Isa isa, const CpuInfo& info);
