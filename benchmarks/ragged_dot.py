@@ -78,11 +78,12 @@ def main() -> None:
     ceilings = common.measure_ceilings()
     info = common.machine()
     print(f"machine: {info['cpu']} ({info['device_kind']}), {info['threads']} threads, torch {info['torch']}")
-    print(f"ceilings (measured now): fp32 FMA {ceilings['fma_gflops']:.1f} GFLOP/s with avx2 "
-          f"(AVX-512: {ceilings['fma_avx512_gflops']:.1f}), read bandwidth {ceilings['read_gbps']:.1f} GB/s\n")
+    print(f"ceilings (measured now): fp32 FMA peak {ceilings['fma_gflops']:.1f} GFLOP/s with the "
+          f"{ceilings['isa']} tier (256-bit AVX2 only: {ceilings['fma_avx2_gflops']:.1f}), "
+          f"read bandwidth {ceilings['read_gbps']:.1f} GB/s\n")
 
     rows = []
-    header = f"{'shape':<26}{'dtype':<10}{'pass':<9}{'implementation':<20}{'ms':>9}{'GFLOP/s':>9}{'%peak':>7}{'vs loop':>9}"
+    header = f"{'shape':<27}{'dtype':<10}{'pass':<9}{'implementation':<20}{'ms':>9}{'GFLOP/s':>9}{'%peak':>7}{'vs loop':>9}"
     print(header)
     print("-" * len(header))
     for shape_name in args.shapes.split(","):
@@ -112,10 +113,10 @@ def main() -> None:
                         row["fraction_of_peak"] = gflops / ceilings["fma_gflops"]
                         row["speedup_vs_loop"] = loop_ms / r["median_ms"] if loop_ms else None
                         speed = f"{row['speedup_vs_loop']:.2f}x" if loop_ms else "n/a"
-                        print(f"{label:<26}{dtype_name:<10}{'fwd+bwd' if backward else 'fwd':<9}{name:<20}"
+                        print(f"{label:<27}{dtype_name:<10}{'fwd+bwd' if backward else 'fwd':<9}{name:<20}"
                               f"{r['median_ms']:>9.2f}{gflops:>9.1f}{100 * row['fraction_of_peak']:>6.0f}%{speed:>9}")
                     else:
-                        print(f"{label:<26}{dtype_name:<10}{'fwd+bwd' if backward else 'fwd':<9}{name:<20}  {r['error']}")
+                        print(f"{label:<27}{dtype_name:<10}{'fwd+bwd' if backward else 'fwd':<9}{name:<20}  {r['error']}")
                     rows.append(row)
         print()
 
@@ -183,7 +184,8 @@ def plot(rows, ceilings, path) -> None:
         values = [next((r.get("gflops", 0) for r in rows if (r["shape"], r["dtype"], r["backward"]) == grp
                         and r["implementation"] == name), 0) for grp in groups]
         ax.bar([x + i * width for x in range(len(groups))], values, width, label=name)
-    ax.axhline(ceilings["fma_gflops"], color="k", linestyle="--", linewidth=1, label="fp32 FMA peak (avx2)")
+    ax.axhline(ceilings["fma_gflops"], color="k", linestyle="--", linewidth=1,
+               label=f"fp32 FMA peak ({ceilings['isa']})")
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))])
     ax.set_xticklabels([f"({s}) {d}\n{'fwd+bwd' if b else 'fwd'}" for s, d, b in groups], fontsize=7)
     ax.set_ylabel("GFLOP/s")

@@ -30,37 +30,60 @@ inline void LoadRow32(const Float16Bits* b, __m512* lo, __m512* hi) {
   *hi = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
 }
 
+// Accumulators are named variables, not arrays, and the in-place test is hoisted out of the
+// loop: with arrays GCC spilled accumulators to the stack (measured 81% of peak vs 97%).
 template <typename T>
 void Micro12x32(int64_t depth, const float* a, const T* b, int64_t ldb, float* c, int64_t ldc,
                 bool accumulate) {
-  __m512 acc0[kMr], acc1[kMr];
-#pragma GCC unroll 12
-  for (int i = 0; i < kMr; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
-  const bool in_place = ldb != kNr;
+#define TOKAMAX_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define TOKAMAX_DECLARE(I) __m512 c##I##a = _mm512_setzero_ps(), c##I##b = _mm512_setzero_ps();
+#define TOKAMAX_FMA(I)                               \
+  {                                                  \
+    const __m512 av = _mm512_set1_ps(ap[I]);         \
+    c##I##a = _mm512_fmadd_ps(av, b0, c##I##a);      \
+    c##I##b = _mm512_fmadd_ps(av, b1, c##I##b);      \
+  }
+#define TOKAMAX_STEP(P)                  \
+  {                                      \
+    __m512 b0, b1;                       \
+    LoadRow32(b + (P) * ldb, &b0, &b1);  \
+    const float* ap = a + (P) * kMr;     \
+    TOKAMAX_ROWS(TOKAMAX_FMA)            \
+  }
+#define TOKAMAX_STORE(I)                                                 \
+  {                                                                      \
+    float* dst = c + (I) * ldc;                                          \
+    if (accumulate) {                                                    \
+      c##I##a = _mm512_add_ps(c##I##a, _mm512_loadu_ps(dst));            \
+      c##I##b = _mm512_add_ps(c##I##b, _mm512_loadu_ps(dst + 16));       \
+    }                                                                    \
+    _mm512_storeu_ps(dst, c##I##a);                                      \
+    _mm512_storeu_ps(dst + 16, c##I##b);                                 \
+  }
+  TOKAMAX_ROWS(TOKAMAX_DECLARE)
   constexpr int64_t kPrefetchBytes = 256;
-  for (int64_t p = 0; p < depth; ++p) {
-    if (in_place) _mm_prefetch(reinterpret_cast<const char*>(b + p * ldb) + kPrefetchBytes, _MM_HINT_T0);
-    __m512 b0, b1;
-    LoadRow32(b + p * ldb, &b0, &b1);
-    const float* ap = a + p * kMr;
-#pragma GCC unroll 12
-    for (int i = 0; i < kMr; ++i) {
-      const __m512 av = _mm512_set1_ps(ap[i]);
-      acc0[i] = _mm512_fmadd_ps(av, b0, acc0[i]);
-      acc1[i] = _mm512_fmadd_ps(av, b1, acc1[i]);
+  int64_t p = 0;
+  if (ldb == kNr) {
+    for (; p + 2 <= depth; p += 2) {
+      TOKAMAX_STEP(p)
+      TOKAMAX_STEP(p + 1)
+    }
+  } else {
+    // In place: prefetch each B row a few cache lines ahead, where the next panels read.
+    for (; p + 2 <= depth; p += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(b + p * ldb) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + (p + 1) * ldb) + kPrefetchBytes, _MM_HINT_T0);
+      TOKAMAX_STEP(p)
+      TOKAMAX_STEP(p + 1)
     }
   }
-#pragma GCC unroll 12
-  for (int i = 0; i < kMr; ++i) {
-    float* dst = c + i * ldc;
-    __m512 lo = acc0[i], hi = acc1[i];
-    if (accumulate) {
-      lo = _mm512_add_ps(lo, _mm512_loadu_ps(dst));
-      hi = _mm512_add_ps(hi, _mm512_loadu_ps(dst + 16));
-    }
-    _mm512_storeu_ps(dst, lo);
-    _mm512_storeu_ps(dst + 16, hi);
-  }
+  for (; p < depth; ++p) TOKAMAX_STEP(p)
+  TOKAMAX_ROWS(TOKAMAX_STORE)
+#undef TOKAMAX_STORE
+#undef TOKAMAX_STEP
+#undef TOKAMAX_FMA
+#undef TOKAMAX_DECLARE
+#undef TOKAMAX_ROWS
 }
 
 void MicroF32(int64_t depth, const float* a, const float* b, int64_t ldb, float* c, int64_t ldc,

@@ -10,8 +10,7 @@ namespace tokamax {
 // GFLOP/s of independent fp32 FMAs on the calling thread with `isa`'s widest vectors
 // (12 accumulators, enough to hide the FMA latency on current cores).
 double MeasureFmaPeakGflops(Isa isa, int64_t iterations);
-// GFLOP/s with 512-bit vectors, or 0 when the CPU has no AVX-512F. It is reported next to the
-// avx2 ceiling so a reader knows how much wider vectors would leave on the table.
+// GFLOP/s with 512-bit vectors, or 0 when the CPU has no AVX-512F.
 double MeasureFmaPeakAvx512Gflops(int64_t iterations);
 // GB/s reading `bytes` of `buffer` once (sums into a sink so the reads cannot be elided).
 double MeasureReadBandwidthGbps(const float* buffer, int64_t count);

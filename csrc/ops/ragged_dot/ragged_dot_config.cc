@@ -132,12 +132,10 @@ RaggedDotConfig RaggedDotHeuristicConfig(const RaggedDotShape& shape, DType dtyp
   // Multiples of 12 suit both the 6-row (avx2) and the 12-row (avx512) tiles.
   config.block_m = std::min(std::max<int64_t>(std::min<int64_t>(l2_rows, 144), kGemmMr),
                             RoundUp(rows, rows >= 2 * kGemmMr ? 2 * kGemmMr : kGemmMr));
-  // pack_b_min_rows: with avx2, packing B pays off once a task reuses each B element for ~100 rows;
-  // below that the micro-kernel reads B in place (measured on Zen 3: 64-row groups run 1.2x
-  // faster in place, 1024-row groups 1.1x faster packed).
-  // With AVX-512 the 12x32 tile reuses each packed B element over twice the rows and the
-  // packed path wins from 12 rows up (64-row groups: 1.1x faster packed on Sapphire Rapids).
-  config.pack_b_min_rows = cpu.avx512f ? 2 * kGemmMr : 96;
+  // pack_b_min_rows: packing B pays off once a task reuses each B element for ~100 rows;
+  // below that the micro-kernel reads B in place (measured with avx2: 64-row groups run 1.2x
+  // faster in place, 1024-row groups 1.1x faster packed; with avx512 in place wins 1.1x too).
+  config.pack_b_min_rows = 96;
   const bool in_place = rows < config.pack_b_min_rows;
   // block_n: wide blocks amortise packing A over more micro-panels; 512 columns unless N is
   // smaller. E.g. N = 1024 gives two column blocks per group. Tiny groups (a few rows) stream
