@@ -35,7 +35,8 @@ def get_configs(op, *args, from_autotuning_cache: bool = False, **kwargs):
     """The (fwd_config, bwd_config) ``op`` would use for these arguments.
 
     ``from_autotuning_cache=False``: the heuristic configs, exactly what the op picks when
-    called with ``configs=None``. ``True``: the autotuning cache is not built yet, so this falls
+    called with ``configs=None`` (for ragged_dot, bwd is a BackwardConfig holding the configs of
+    the lhs- and rhs-gradient products). ``True``: the autotuning cache is not built yet, so this falls
     back to the heuristics. The reference returns ``(None, None)``. Works on meta tensors.
     """
     del from_autotuning_cache  # The on-disk cache lands with the autotuning issue.

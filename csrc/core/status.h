@@ -1,5 +1,7 @@
 // Error reporting for the torch-free core: a Status is an error message, empty when ok.
-// The core never throws; the torch adapter turns a failed Status into a TORCH_CHECK error.
+// The core reports every argument error as a Status and throws nothing else but std::bad_alloc
+// when scratch memory cannot be had; the torch adapter turns a failed Status into a TORCH_CHECK
+// error (and torch turns bad_alloc into a Python exception).
 #pragma once
 
 #include <string>

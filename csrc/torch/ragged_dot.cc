@@ -47,11 +47,45 @@ struct RaggedDotSignature {
 };
 
 // The one argument check, shared by the kernel, the reference and their meta kernels, so eager
-// and compiled code raise the same errors. Only metadata is read; group size values are checked
+// and compiled code raise the same errors; the reference validates configs it does not use. Only metadata is read; group size values are checked
 // by the kernels before any compute.
+// Configs as the kernel uses them: the forward one, and one per gradient product. bwd_config
+// holds 5 values (one config for both products) or 10 (lhs gradient, then rhs gradient).
+struct RaggedDotConfigs {
+  std::optional<RaggedDotConfig> forward;
+  std::optional<RaggedDotConfig> dlhs;
+  std::optional<RaggedDotConfig> drhs;
+};
+
+RaggedDotConfig ParseConfig(const std::vector<int64_t>& values, const char* name) {
+  RaggedDotConfig parsed;
+  const Status status = RaggedDotConfig::FromVector(values, &parsed);
+  TORCH_CHECK(status.ok(), "ragged_dot: ", name, ": ", status.message());
+  return parsed;
+}
+
+RaggedDotConfigs ParseConfigs(at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
+  RaggedDotConfigs configs;
+  if (config.has_value()) configs.forward = ParseConfig(config->vec(), "config");
+  if (bwd_config.has_value()) {
+    const std::vector<int64_t> values = bwd_config->vec();
+    constexpr size_t kFields = RaggedDotConfig::kNumFields;
+    TORCH_CHECK(values.size() == kFields || values.size() == 2 * kFields, "ragged_dot: bwd_config must hold ",
+                kFields, " values (one config for both gradient products) or ", 2 * kFields,
+                " (lhs gradient, then rhs gradient), got ", values.size());
+    configs.dlhs = ParseConfig({values.begin(), values.begin() + kFields}, "bwd_config");
+    configs.drhs = values.size() == kFields ? configs.dlhs
+                                            : ParseConfig({values.begin() + kFields, values.end()}, "bwd_config");
+  }
+  return configs;
+}
+
 RaggedDotSignature CheckRaggedDotArgs(const Tensor& lhs, const Tensor& rhs, const Tensor& group_sizes,
                                       at::OptionalIntArrayRef dimension_numbers,
-                                      std::optional<at::ScalarType> preferred_element_type) {
+                                      std::optional<at::ScalarType> preferred_element_type,
+                                      at::OptionalIntArrayRef config = std::nullopt,
+                                      at::OptionalIntArrayRef bwd_config = std::nullopt) {
+  ParseConfigs(config, bwd_config);  // invalid configs fail here, in eager and compiled code alike
   RaggedDotSignature sig;
   sig.form = RaggedDotForm::kDefault;
   if (dimension_numbers.has_value()) {
@@ -128,10 +162,7 @@ RaggedDotShape ShapeOf(const Tensor& lhs, const Tensor& group_sizes, const Ragge
 
 RaggedDotConfig ResolveConfig(at::OptionalIntArrayRef config, const RaggedDotShape& shape, at::ScalarType dtype) {
   if (!config.has_value()) return RaggedDotHeuristicConfig(shape, ToCoreDType(dtype), GetCpuInfo());
-  RaggedDotConfig resolved;
-  const Status status = RaggedDotConfig::FromVector(config->vec(), &resolved);
-  TORCH_CHECK(status.ok(), status.message());
-  return resolved;
+  return ParseConfig(config->vec(), "config");
 }
 
 Tensor3View ViewOf(const Tensor& t) {
@@ -150,7 +181,8 @@ Tensor3View ViewOf(const Tensor& t) {
 Tensor RaggedDotCpu(const Tensor& lhs, const Tensor& rhs, const Tensor& group_sizes,
                     at::OptionalIntArrayRef dimension_numbers, std::optional<at::ScalarType> preferred_element_type,
                     at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
-  const RaggedDotSignature sig = CheckRaggedDotArgs(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type);
+  const RaggedDotSignature sig =
+      CheckRaggedDotArgs(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type, config, bwd_config);
   const RaggedDotShape shape = ShapeOf(lhs, group_sizes, sig);
   const RaggedDotConfig resolved = ResolveConfig(config, shape, lhs.scalar_type());
   const std::vector<int64_t> sizes = GroupSizesToVector(group_sizes);
@@ -178,7 +210,8 @@ Tensor RaggedDotReferenceImpl(const Tensor& lhs, const Tensor& rhs, const Tensor
                               at::OptionalIntArrayRef dimension_numbers,
                               std::optional<at::ScalarType> preferred_element_type, at::OptionalIntArrayRef config,
                               at::OptionalIntArrayRef bwd_config) {
-  const RaggedDotSignature sig = CheckRaggedDotArgs(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type);
+  const RaggedDotSignature sig =
+      CheckRaggedDotArgs(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type, config, bwd_config);
   const std::vector<int64_t> sizes = GroupSizesToVector(group_sizes);
   const Status sizes_status = CheckRaggedDotGroupSizes(sizes.data(), group_sizes.size(0), lhs.size(0));
   TORCH_CHECK(sizes_status.ok(), sizes_status.message());
@@ -209,18 +242,8 @@ Tensor RaggedDotReferenceImpl(const Tensor& lhs, const Tensor& rhs, const Tensor
 Tensor RaggedDotMeta(const Tensor& lhs, const Tensor& rhs, const Tensor& group_sizes,
                      at::OptionalIntArrayRef dimension_numbers, std::optional<at::ScalarType> preferred_element_type,
                      at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
-  const RaggedDotSignature sig = CheckRaggedDotArgs(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type);
-  if (config.has_value()) {
-    RaggedDotConfig parsed;
-    const Status status = RaggedDotConfig::FromVector(config->vec(), &parsed);
-    TORCH_CHECK(status.ok(), status.message());
-  }
-  if (bwd_config.has_value()) {
-    RaggedDotConfig parsed;
-    const Status status = RaggedDotConfig::FromVector(bwd_config->vec(), &parsed);
-    TORCH_CHECK(status.ok(), status.message());
-  }
-  return EmptyOutput(lhs, sig);
+  return EmptyOutput(lhs, CheckRaggedDotArgs(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type,
+                                             config, bwd_config));
 }
 
 // ---- autograd ----------------------------------------------------------------------------------
@@ -258,7 +281,7 @@ class RaggedDotFunction : public torch::autograd::Function<RaggedDotFunction> {
                         std::optional<at::ScalarType> preferred_element_type, at::OptionalIntArrayRef config,
                         at::OptionalIntArrayRef bwd_config, bool reference) {
     const RaggedDotSignature sig =
-        CheckRaggedDotArgs(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type);
+        CheckRaggedDotArgs(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type, config, bwd_config);
     ctx->saved_data["form"] = static_cast<int64_t>(sig.form);
     ctx->saved_data["reference"] = reference;
     ctx->saved_data["bwd_config"] = bwd_config.has_value() ? bwd_config->vec() : std::vector<int64_t>{};
@@ -275,7 +298,12 @@ class RaggedDotFunction : public torch::autograd::Function<RaggedDotFunction> {
     const Tensor& group_sizes = saved[2];
     const auto form = static_cast<RaggedDotForm>(ctx->saved_data["form"].toInt());
     const bool reference = ctx->saved_data["reference"].toBool();
-    const std::vector<int64_t> config = ctx->saved_data["bwd_config"].toIntVector();
+    const std::vector<int64_t> bwd = ctx->saved_data["bwd_config"].toIntVector();
+    // Empty: each product uses the heuristic for its own shape (what get_configs returns).
+    const size_t fields = RaggedDotConfig::kNumFields;
+    const std::vector<int64_t> dlhs_config(bwd.begin(), bwd.begin() + std::min(bwd.size(), fields));
+    const std::vector<int64_t> drhs_config =
+        bwd.size() == 2 * fields ? std::vector<int64_t>(bwd.begin() + fields, bwd.end()) : dlhs_config;
     // The cotangent is taken in the inputs' dtype (e.g. an fp32 cotangent of a bf16 product
     // with preferred_element_type=float32 is rounded to bf16), as in mixed-precision training.
     const Tensor dout = grad_outputs[0].to(lhs.scalar_type());
@@ -283,16 +311,16 @@ class RaggedDotFunction : public torch::autograd::Function<RaggedDotFunction> {
     const bool want_lhs = ctx->needs_input_grad(0), want_rhs = ctx->needs_input_grad(1);
     switch (form) {
       case RaggedDotForm::kDefault:
-        if (want_lhs) dlhs = CallRaggedDot(reference, dout, rhs, group_sizes, RaggedDotForm::kTransRhs, lhs.scalar_type(), config);
-        if (want_rhs) drhs = CallRaggedDot(reference, lhs, dout, group_sizes, RaggedDotForm::kRaggedContracting, rhs.scalar_type(), config);
+        if (want_lhs) dlhs = CallRaggedDot(reference, dout, rhs, group_sizes, RaggedDotForm::kTransRhs, lhs.scalar_type(), dlhs_config);
+        if (want_rhs) drhs = CallRaggedDot(reference, lhs, dout, group_sizes, RaggedDotForm::kRaggedContracting, rhs.scalar_type(), drhs_config);
         break;
       case RaggedDotForm::kTransRhs:
-        if (want_lhs) dlhs = CallRaggedDot(reference, dout, rhs, group_sizes, RaggedDotForm::kDefault, lhs.scalar_type(), config);
-        if (want_rhs) drhs = CallRaggedDot(reference, dout, lhs, group_sizes, RaggedDotForm::kRaggedContracting, rhs.scalar_type(), config);
+        if (want_lhs) dlhs = CallRaggedDot(reference, dout, rhs, group_sizes, RaggedDotForm::kDefault, lhs.scalar_type(), dlhs_config);
+        if (want_rhs) drhs = CallRaggedDot(reference, dout, lhs, group_sizes, RaggedDotForm::kRaggedContracting, rhs.scalar_type(), drhs_config);
         break;
       case RaggedDotForm::kRaggedContracting:
-        if (want_lhs) dlhs = CallRaggedDot(reference, rhs, dout, group_sizes, RaggedDotForm::kTransRhs, lhs.scalar_type(), config);
-        if (want_rhs) drhs = CallRaggedDot(reference, lhs, dout, group_sizes, RaggedDotForm::kDefault, rhs.scalar_type(), config);
+        if (want_lhs) dlhs = CallRaggedDot(reference, rhs, dout, group_sizes, RaggedDotForm::kTransRhs, lhs.scalar_type(), dlhs_config);
+        if (want_rhs) drhs = CallRaggedDot(reference, lhs, dout, group_sizes, RaggedDotForm::kDefault, rhs.scalar_type(), drhs_config);
         break;
     }
     return {dlhs, drhs, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
@@ -309,26 +337,32 @@ Tensor RaggedDotAutograd(const Tensor& lhs, const Tensor& rhs, const Tensor& gro
 
 // ---- configs for Python: heuristics, the search space, field names ---------------------------
 
+// product: 0 the forward call itself, 1 its lhs gradient, 2 its rhs gradient.
+RaggedDotShape ProductShape(const Tensor& lhs, const Tensor& rhs, const Tensor& group_sizes,
+                            at::OptionalIntArrayRef dimension_numbers,
+                            std::optional<at::ScalarType> preferred_element_type, int64_t product) {
+  TORCH_CHECK(product >= 0 && product <= 2,
+              "ragged_dot: product must be 0 (forward), 1 (lhs gradient) or 2 (rhs gradient), got ", product);
+  const RaggedDotSignature sig = CheckRaggedDotArgs(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type);
+  const RaggedDotShape forward = ShapeOf(lhs, group_sizes, sig);
+  if (product == 0) return forward;
+  const RaggedDotBackwardShapes backward = RaggedDotBackwardShapesOf(forward);
+  return product == 1 ? backward.dlhs : backward.drhs;
+}
+
 std::vector<int64_t> HeuristicConfigOp(const Tensor& lhs, const Tensor& rhs, const Tensor& group_sizes,
                                        at::OptionalIntArrayRef dimension_numbers,
-                                       std::optional<at::ScalarType> preferred_element_type, bool backward) {
-  const RaggedDotSignature sig = CheckRaggedDotArgs(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type);
-  const RaggedDotShape shape = ShapeOf(lhs, group_sizes, sig);
-  const DType dtype = ToCoreDType(lhs.scalar_type());
-  return (backward ? RaggedDotBackwardHeuristicConfig(shape, dtype, GetCpuInfo())
-                   : RaggedDotHeuristicConfig(shape, dtype, GetCpuInfo()))
-      .ToVector();
+                                       std::optional<at::ScalarType> preferred_element_type, int64_t product) {
+  const RaggedDotShape shape =
+      ProductShape(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type, product);
+  return RaggedDotHeuristicConfig(shape, ToCoreDType(lhs.scalar_type()), GetCpuInfo()).ToVector();
 }
 
 std::vector<int64_t> ConfigSpaceOp(const Tensor& lhs, const Tensor& rhs, const Tensor& group_sizes,
                                    at::OptionalIntArrayRef dimension_numbers,
-                                   std::optional<at::ScalarType> preferred_element_type, bool backward) {
-  const RaggedDotSignature sig = CheckRaggedDotArgs(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type);
-  RaggedDotShape shape = ShapeOf(lhs, group_sizes, sig);
-  if (backward) {  // the space around the backward heuristic: that of the lhs-gradient shape
-    shape.form = RaggedDotForm::kTransRhs;
-    std::swap(shape.k, shape.n);
-  }
+                                   std::optional<at::ScalarType> preferred_element_type, int64_t product) {
+  const RaggedDotShape shape =
+      ProductShape(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type, product);
   std::vector<int64_t> flat;
   for (const RaggedDotConfig& c : RaggedDotConfigSpace(shape, ToCoreDType(lhs.scalar_type()), GetCpuInfo())) {
     const std::vector<int64_t> values = c.ToVector();
@@ -356,7 +390,7 @@ void ValidateConfigOp(at::IntArrayRef config) {
   "ScalarType? preferred_element_type=None, int[]? config=None, int[]? bwd_config=None) -> Tensor"
 #define TOKAMAX_RAGGED_DOT_CONFIG_ARGS                                                              \
   "(Tensor lhs, Tensor rhs, Tensor group_sizes, int[]? ragged_dot_dimension_numbers=None, "        \
-  "ScalarType? preferred_element_type=None, bool backward=False) -> int[]"
+  "ScalarType? preferred_element_type=None, int product=0) -> int[]"
 
 TORCH_LIBRARY_FRAGMENT(tokamax, m) {
   m.def("ragged_dot" TOKAMAX_RAGGED_DOT_ARGS);

@@ -75,9 +75,26 @@ class Config:
 
 _configs.check_fields_match(Config, torch.ops.tokamax._ragged_dot_config_fields())
 
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """Configs of the two gradient products: the lhs gradient and the rhs gradient.
+
+    ``configs=(fwd, bwd)`` takes a BackwardConfig, a single Config (used for both products) or
+    None (each product uses the heuristic for its own shape, which is what get_configs returns).
+    """
+
+    dlhs: Config
+    drhs: Config
+
+    def to_list(self) -> list[int]:
+        return self.dlhs.to_list() + self.drhs.to_list()
+
+
 DimensionNumbersLike = Union[RaggedDotDimensionNumbers, Sequence[int], None]
 DTypeLike = Union[torch.dtype, str, None]
-ConfigLike = Union[Config, Sequence[int], None]
+ConfigLike = Union[Config, BackwardConfig, Sequence[int], None]
+PRODUCTS = {"forward": 0, "dlhs": 1, "drhs": 2}
 
 
 def _flat_dimension_numbers(dimension_numbers: DimensionNumbersLike) -> Optional[list[int]]:
@@ -154,8 +171,11 @@ class _RaggedDot:
         ragged_dot_dimension_numbers: DimensionNumbersLike = None,
         preferred_element_type: DTypeLike = None,
         configs=None,
-    ) -> tuple[Optional[Config], Optional[Config]]:
-        """Heuristic (fwd, bwd) configs for these arguments; (None, None) for the reference."""
+    ) -> tuple[Optional[Config], Optional[BackwardConfig]]:
+        """The heuristic (fwd, bwd) configs: exactly what a call with configs=None uses.
+
+        The reference has no configs and returns (None, None).
+        """
         if self._op is torch.ops.tokamax.ragged_dot_reference.default:
             return None, None
         args = (
@@ -166,17 +186,21 @@ class _RaggedDot:
             _dtype(preferred_element_type),
         )
         heuristic = torch.ops.tokamax._ragged_dot_heuristic_config
-        return Config(*heuristic(*args, False)), Config(*heuristic(*args, True))
+        return Config(*heuristic(*args, PRODUCTS["forward"])), BackwardConfig(
+            Config(*heuristic(*args, PRODUCTS["dlhs"])), Config(*heuristic(*args, PRODUCTS["drhs"]))
+        )
 
-    def config_space(self, lhs, rhs, group_sizes, *, backward: bool = False, **kwargs) -> list[Config]:
-        """The autotuning candidates for these arguments, heuristic first."""
+    def config_space(self, lhs, rhs, group_sizes, *, product: str = "forward", **kwargs) -> list[Config]:
+        """Autotuning candidates, heuristic first, for the forward call or one gradient product."""
+        if product not in PRODUCTS:
+            raise ValueError(f"ragged_dot: product must be one of {list(PRODUCTS)}, got {product!r}")
         flat = torch.ops.tokamax._ragged_dot_config_space(
             lhs,
             rhs,
             group_sizes,
             _flat_dimension_numbers(kwargs.get("ragged_dot_dimension_numbers")),
             _dtype(kwargs.get("preferred_element_type")),
-            backward,
+            PRODUCTS[product],
         )
         n = len(dataclasses.fields(Config))
         return [Config(*flat[i : i + n]) for i in range(0, len(flat), n)]
@@ -186,6 +210,7 @@ reference = _RaggedDot("reference", torch.ops.tokamax.ragged_dot_reference.defau
 kernel = _RaggedDot("kernel", torch.ops.tokamax.ragged_dot.default)
 
 __all__ = [
+    "BackwardConfig",
     "Config",
     "DEFAULT",
     "RAGGED_CONTRACTING",

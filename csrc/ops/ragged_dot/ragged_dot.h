@@ -75,10 +75,13 @@ struct RaggedDotConfig {
 
 // A pure function of the shape, the input dtype and the CPU.
 RaggedDotConfig RaggedDotHeuristicConfig(const RaggedDotShape& shape, DType dtype, const CpuInfo& cpu);
-// The backward products (forms 1 and 2 of a forward default call, and vice versa) share one
-// config, derived from the forward shape.
-RaggedDotConfig RaggedDotBackwardHeuristicConfig(const RaggedDotShape& forward, DType dtype,
-                                                 const CpuInfo& cpu);
+// The two products that make the gradient of a forward call with shape `forward`: the lhs
+// gradient first, then the rhs gradient (see csrc/torch/ragged_dot.cc for the algebra).
+struct RaggedDotBackwardShapes {
+  RaggedDotShape dlhs;
+  RaggedDotShape drhs;
+};
+RaggedDotBackwardShapes RaggedDotBackwardShapesOf(const RaggedDotShape& forward);
 // Candidates for the autotuner: valid configs around the heuristic one, heuristic first.
 std::vector<RaggedDotConfig> RaggedDotConfigSpace(const RaggedDotShape& shape, DType dtype,
                                                   const CpuInfo& cpu);

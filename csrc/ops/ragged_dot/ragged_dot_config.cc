@@ -160,14 +160,21 @@ RaggedDotConfig RaggedDotHeuristicConfig(const RaggedDotShape& shape, DType dtyp
   return config;
 }
 
-RaggedDotConfig RaggedDotBackwardHeuristicConfig(const RaggedDotShape& forward, DType dtype,
-                                                 const CpuInfo& cpu) {
-  // The lhs gradient has the forward's shape with K and N swapped; it dominates MoE backward
-  // time together with the rhs gradient, whose per-group rows are K.
-  RaggedDotShape dlhs = forward;
-  dlhs.form = RaggedDotForm::kTransRhs;
-  std::swap(dlhs.k, dlhs.n);
-  return RaggedDotHeuristicConfig(dlhs, dtype, cpu);
+RaggedDotBackwardShapes RaggedDotBackwardShapesOf(const RaggedDotShape& forward) {
+  // forward (m, k, n, g) is lhs[M,K] with output width n. Each gradient is itself a ragged_dot:
+  //   DEFAULT   dlhs = TRANS_RHS(dout[M,N], rhs[G,K,N]) -> [M,K]; drhs = RAGGED_C.(lhs, dout) -> [G,K,N]
+  //   TRANS_RHS dlhs = DEFAULT(dout[M,N], rhs[G,N,K]) -> [M,K];   drhs = RAGGED_C.(dout, lhs) -> [G,N,K]
+  //   RAGGED_C. dlhs = TRANS_RHS(rhs[M,N], dout[G,K,N]) -> [M,K]; drhs = DEFAULT(lhs, dout) -> [M,N]
+  const int64_t m = forward.m, k = forward.k, n = forward.n, g = forward.g;
+  switch (forward.form) {
+    case RaggedDotForm::kDefault:
+      return {{RaggedDotForm::kTransRhs, m, n, k, g}, {RaggedDotForm::kRaggedContracting, m, k, n, g}};
+    case RaggedDotForm::kTransRhs:
+      return {{RaggedDotForm::kDefault, m, n, k, g}, {RaggedDotForm::kRaggedContracting, m, n, k, g}};
+    case RaggedDotForm::kRaggedContracting:
+      return {{RaggedDotForm::kTransRhs, m, n, k, g}, {RaggedDotForm::kDefault, m, k, n, g}};
+  }
+  return {forward, forward};
 }
 
 std::vector<RaggedDotConfig> RaggedDotConfigSpace(const RaggedDotShape& shape, DType dtype,

@@ -175,7 +175,9 @@ TEST(RaggedDotConfigTest, HeuristicIsValidAcrossShapes) {
           for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
             const Status s = RaggedDotHeuristicConfig(shape, dtype, GetCpuInfo()).Validate();
             EXPECT_TRUE(s.ok()) << s.message();
-            EXPECT_TRUE(RaggedDotBackwardHeuristicConfig(shape, dtype, GetCpuInfo()).Validate().ok());
+            const RaggedDotBackwardShapes backward = RaggedDotBackwardShapesOf(shape);
+            EXPECT_TRUE(RaggedDotHeuristicConfig(backward.dlhs, dtype, GetCpuInfo()).Validate().ok());
+            EXPECT_TRUE(RaggedDotHeuristicConfig(backward.drhs, dtype, GetCpuInfo()).Validate().ok());
           }
         }
       }
