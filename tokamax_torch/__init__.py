@@ -12,6 +12,8 @@ _library.load()
 import torch  # noqa: E402
 
 from tokamax_torch import ops  # noqa: E402
+from tokamax_torch._settings import config  # noqa: E402
+from tokamax_torch.autotuning import AutotuningResult, autotune, lookup_configs  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -32,15 +34,18 @@ def device_kind(device=None) -> str:
 
 
 def get_configs(op, *args, from_autotuning_cache: bool = False, **kwargs):
-    """The (fwd_config, bwd_config) ``op`` would use for these arguments.
+    """The (fwd_config, bwd_config) to pass back to ``op`` as ``configs=``.
 
     ``from_autotuning_cache=False``: the heuristic configs, exactly what the op picks when
     called with ``configs=None`` (for ragged_dot, bwd is a BackwardConfig holding the configs of
-    the lhs- and rhs-gradient products). ``True``: the autotuning cache is not built yet, so this falls
-    back to the heuristics. The reference returns ``(None, None)``. Works on meta tensors.
+    the lhs- and rhs-gradient products). ``True``: exact-key lookups in the autotuning cache for
+    this device kind (user directory over shipped data), each product falling back to its
+    heuristic on a miss; ``tokamax_torch.config.autotuning_cache_miss`` can make a miss warn or
+    raise. The reference returns ``(None, None)``. Works on meta tensors.
     """
-    del from_autotuning_cache  # The on-disk cache lands with the autotuning issue.
+    if from_autotuning_cache:
+        return lookup_configs(op, *args, **kwargs)
     return op.get_configs(*args, **kwargs)
 
 
-__all__ = ["device_kind", "get_configs", "ops", "ragged_dot"]
+__all__ = ["AutotuningResult", "autotune", "config", "device_kind", "get_configs", "ops", "ragged_dot"]

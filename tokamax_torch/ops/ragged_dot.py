@@ -129,9 +129,19 @@ def _split_configs(configs) -> tuple[ConfigLike, ConfigLike]:
 class _RaggedDot:
     """A ragged_dot implementation; ``reference`` and ``kernel`` share this signature."""
 
+    #: The op family, as named in cache files and on the autotuning command line.
+    family = "ragged_dot"
+    #: Products an autotuner tunes separately: the call itself and its two gradient products.
+    products = tuple(PRODUCTS)
+    config_cls = Config
+
     def __init__(self, name: str, op) -> None:
         self.name = name
         self._op = op
+
+    @property
+    def tunable(self) -> bool:
+        return self._op is torch.ops.tokamax.ragged_dot.default
 
     @property
     def op(self):
@@ -176,12 +186,12 @@ class _RaggedDot:
 
         The reference has no configs and returns (None, None).
         """
-        if self._op is torch.ops.tokamax.ragged_dot_reference.default:
+        if not self.tunable:
             return None, None
         args = (
             lhs,
             rhs,
-            group_sizes,
+            _group_sizes_tensor(group_sizes),
             _flat_dimension_numbers(ragged_dot_dimension_numbers),
             _dtype(preferred_element_type),
         )
@@ -197,13 +207,87 @@ class _RaggedDot:
         flat = torch.ops.tokamax._ragged_dot_config_space(
             lhs,
             rhs,
-            group_sizes,
+            _group_sizes_tensor(group_sizes),
             _flat_dimension_numbers(kwargs.get("ragged_dot_dimension_numbers")),
             _dtype(kwargs.get("preferred_element_type")),
             PRODUCTS[product],
         )
         n = len(dataclasses.fields(Config))
         return [Config(*flat[i : i + n]) for i in range(0, len(flat), n)]
+
+
+    def assemble_configs(self, per_product: dict) -> tuple[Config, BackwardConfig]:
+        """(fwd, bwd) from one Config per product."""
+        return per_product["forward"], BackwardConfig(per_product["dlhs"], per_product["drhs"])
+
+    def cache_key(self, lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers=None,
+                  preferred_element_type=None, configs=None, product: str = "forward") -> dict:
+        """The canonical argument spec an autotuning cache entry is stored under.
+
+        Shapes and dtypes of the tensors, the dimension numbers (flat, DEFAULT when None), the
+        output dtype and the product. Group sizes appear as their list of values when the caller
+        passes representative sizes as a Python sequence, else by shape and dtype only.
+        """
+        if product not in PRODUCTS:
+            raise ValueError(f"ragged_dot: product must be one of {list(PRODUCTS)}, got {product!r}")
+        out_dtype = _dtype(preferred_element_type)
+        if isinstance(group_sizes, torch.Tensor):
+            sizes = {"shape": list(group_sizes.shape), "dtype": str(group_sizes.dtype).removeprefix("torch.")}
+        else:
+            sizes = {"values": [int(v) for v in group_sizes]}
+        return {
+            "lhs": {"shape": list(lhs.shape), "dtype": str(lhs.dtype).removeprefix("torch.")},
+            "rhs": {"shape": list(rhs.shape), "dtype": str(rhs.dtype).removeprefix("torch.")},
+            "group_sizes": sizes,
+            "ragged_dot_dimension_numbers": _flat_dimension_numbers(ragged_dot_dimension_numbers)
+            or DEFAULT.flatten(),
+            "preferred_element_type": None if out_dtype is None else str(out_dtype).removeprefix("torch."),
+            "product": product,
+        }
+
+    def autotuning_runner(self, lhs, rhs, group_sizes, *, product: str, ragged_dot_dimension_numbers=None,
+                          preferred_element_type=None, configs=None, seed: int = 0):
+        """A function (config -> None) that runs `product` once with that config.
+
+        Meta tensors are replaced by random ones of the same shape; group sizes given by shape
+        only become an even split. The gradient products run alone through autograd (only the
+        input whose gradient is asked for is computed).
+        """
+        generator = torch.Generator().manual_seed(seed)
+
+        def real(t):
+            if t.device.type != "meta":
+                return t.detach()
+            return torch.randn(t.shape, generator=generator, dtype=torch.float32).to(t.dtype)
+
+        lhs, rhs = real(lhs), real(rhs)
+        if isinstance(group_sizes, torch.Tensor) and group_sizes.device.type != "meta":
+            sizes = group_sizes
+        elif isinstance(group_sizes, torch.Tensor):
+            g, m = group_sizes.shape[0], lhs.shape[0]
+            sizes = torch.full((g,), m // g if g else 0, dtype=group_sizes.dtype)
+        else:
+            sizes = _group_sizes_tensor(group_sizes)
+        kwargs = dict(ragged_dot_dimension_numbers=ragged_dot_dimension_numbers,
+                      preferred_element_type=preferred_element_type)
+        if product == "forward":
+            def run(config):
+                with torch.no_grad():
+                    self(lhs, rhs, sizes, configs=(config, None), **kwargs)
+            return run
+        wrt = lhs.requires_grad_(True) if product == "dlhs" else rhs.requires_grad_(True)
+
+        def run(config):
+            out = self(lhs, rhs, sizes, configs=(None, config), **kwargs)
+            torch.autograd.grad(out, wrt, torch.ones_like(out))
+        return run
+
+
+def _group_sizes_tensor(group_sizes):
+    """Representative group sizes may be given as a Python sequence of ints."""
+    if isinstance(group_sizes, torch.Tensor):
+        return group_sizes
+    return torch.tensor([int(v) for v in group_sizes], dtype=torch.int32)
 
 
 reference = _RaggedDot("reference", torch.ops.tokamax.ragged_dot_reference.default)

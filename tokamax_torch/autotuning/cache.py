@@ -1,0 +1,191 @@
+"""The autotuning cache: plain JSON files, one per (device_kind, op), validated on load.
+
+Layout: ``<root>/<device_kind>/<op>.json`` under two roots, the package's shipped
+``tokamax_torch/data/autotuning`` and the user's ``<cache_dir>/autotuning``; user entries win.
+File format (nothing is ever unpickled or evaluated)::
+
+    {"format": "tokamax_torch.autotuning/1", "op": "ragged_dot", "device_kind": "...",
+     "entries": {"<canonical key as JSON>": {
+         "results": [{"config": {"block_m": 144, ...}, "median_ms": 1.2, "min_ms": 1.1, "samples": 5}, ...],
+         "metadata": {"tokamax_torch": "0.1.0", "torch": "2.13.0", "date": "2026-12-02T..."}}}}
+
+A file that cannot be read, does not parse, has the wrong shape or types, another format
+version, or a config the C++ ``Validate()`` rejects gives one warning naming the file and is
+ignored as a whole; lookups then fall back to the heuristics. Writers take an exclusive
+``fcntl`` lock on ``<op>.json.lock``, merge with what is on disk, and replace the file
+atomically (temporary file + ``os.replace``), so concurrent autotuners add up, never clobber.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import pathlib
+import tempfile
+import warnings
+from typing import Optional
+
+FORMAT = "tokamax_torch.autotuning/1"
+SHIPPED_ROOT = pathlib.Path(__file__).resolve().parent.parent / "data" / "autotuning"
+
+_warned: set[str] = set()
+
+
+def canonical_key(key: dict) -> str:
+    return json.dumps(key, sort_keys=True, separators=(",", ":"))
+
+
+def _warn_once(path: pathlib.Path, reason: str) -> None:
+    if str(path) in _warned:
+        return
+    _warned.add(str(path))
+    warnings.warn(f"tokamax_torch: ignoring autotuning cache file {path}: {reason}; "
+                  "falling back to heuristic configs", RuntimeWarning, stacklevel=3)
+
+
+class CacheFileError(ValueError):
+    pass
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise CacheFileError(message)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def parse_file(text: str, op: str, device_kind: str, config_cls) -> dict:
+    """Validated entries of one file: {key: {"results": [...], "metadata": {...}}}, configs as
+    config_cls instances. Raises CacheFileError saying what is wrong."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CacheFileError(f"not valid JSON ({exc})") from None
+    _check(isinstance(data, dict), "the top level must be an object")
+    _check(data.get("format") == FORMAT, f"format must be {FORMAT!r}, got {data.get('format')!r}")
+    _check(data.get("op") == op, f"op must be {op!r}, got {data.get('op')!r}")
+    _check(data.get("device_kind") == device_kind,
+           f"device_kind must be {device_kind!r}, got {data.get('device_kind')!r}")
+    entries = data.get("entries")
+    _check(isinstance(entries, dict), "entries must be an object")
+    fields = [f.name for f in dataclasses.fields(config_cls)]
+    parsed = {}
+    for key, entry in entries.items():
+        _check(isinstance(entry, dict), f"entry {key!r} must be an object")
+        try:
+            key_obj = json.loads(key)
+        except json.JSONDecodeError:
+            raise CacheFileError(f"key {key!r} is not a JSON argument spec") from None
+        _check(isinstance(key_obj, dict), f"key {key!r} must encode an object")
+        results = entry.get("results")
+        _check(isinstance(results, list) and results, f"entry {key!r}: results must be a non-empty list")
+        clean = []
+        for r in results:
+            _check(isinstance(r, dict), f"entry {key!r}: each result must be an object")
+            cfg = r.get("config")
+            _check(isinstance(cfg, dict) and sorted(cfg) == sorted(fields) and all(_is_int(cfg[f]) for f in fields),
+                   f"entry {key!r}: config must be an object with int fields {fields}, got {cfg!r}")
+            for stat in ("median_ms", "min_ms"):
+                _check(_is_number(r.get(stat)) and r[stat] >= 0, f"entry {key!r}: {stat} must be a number >= 0")
+            _check(_is_int(r.get("samples")) and r["samples"] > 0, f"entry {key!r}: samples must be a positive int")
+            try:
+                config = config_cls(**{f: cfg[f] for f in fields})  # runs the C++ Validate()
+            except (RuntimeError, TypeError, ValueError) as exc:
+                raise CacheFileError(f"entry {key!r}: invalid config {cfg!r}: {exc}") from None
+            clean.append({"config": config, "median_ms": float(r["median_ms"]), "min_ms": float(r["min_ms"]),
+                          "samples": r["samples"]})
+        metadata = entry.get("metadata", {})
+        _check(isinstance(metadata, dict), f"entry {key!r}: metadata must be an object")
+        parsed[canonical_key(key_obj)] = {"results": clean, "metadata": metadata}
+    return parsed
+
+
+def _serialise(entries: dict, op: str, device_kind: str) -> str:
+    out = {}
+    for key in sorted(entries):
+        entry = entries[key]
+        results = sorted(entry["results"], key=lambda r: r["median_ms"])
+        out[key] = {
+            "results": [{"config": dataclasses.asdict(r["config"]), "median_ms": r["median_ms"],
+                         "min_ms": r["min_ms"], "samples": r["samples"]} for r in results],
+            "metadata": entry.get("metadata", {}),
+        }
+    return json.dumps({"format": FORMAT, "op": op, "device_kind": device_kind, "entries": out}, indent=1) + "\n"
+
+
+class ConfigCache:
+    """The overlay of the shipped and the user cache for one op on one device kind."""
+
+    def __init__(self, op: str, device_kind: str, config_cls, user_root: Optional[os.PathLike] = None,
+                 shipped_root: os.PathLike = SHIPPED_ROOT) -> None:
+        from tokamax_torch._settings import config as settings
+
+        self.op = op
+        self.device_kind = device_kind
+        self.config_cls = config_cls
+        user_root = pathlib.Path(user_root if user_root is not None else settings.cache_dir) / "autotuning"
+        self.user_path = user_root / device_kind / f"{op}.json"
+        self.shipped_path = pathlib.Path(shipped_root) / device_kind / f"{op}.json"
+
+    def _load(self, path: pathlib.Path) -> dict:
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            _warn_once(path, f"cannot be read ({exc.strerror or exc})")
+            return {}
+        try:
+            return parse_file(text, self.op, self.device_kind, self.config_cls)
+        except CacheFileError as exc:
+            _warn_once(path, str(exc))
+            return {}
+
+    def entries(self) -> dict:
+        merged = dict(self._load(self.shipped_path))
+        merged.update(self._load(self.user_path))  # the user directory wins
+        return merged
+
+    def lookup(self, key: dict):
+        """The fastest config stored under `key`, or None."""
+        entry = self.entries().get(canonical_key(key))
+        if entry is None:
+            return None
+        return min(entry["results"], key=lambda r: r["median_ms"])["config"]
+
+    def record(self, new_entries: dict) -> Optional[pathlib.Path]:
+        """Merges {key dict as canonical str: entry} into the user file. Returns its path, or None
+        (with a warning) when the directory cannot be written."""
+        path = self.user_path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path.with_name(path.name + ".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                current = self._load(path)
+                for key, entry in new_entries.items():
+                    old = current.get(key, {"results": []})
+                    by_config = {r["config"]: r for r in old["results"]}
+                    by_config.update({r["config"]: r for r in entry["results"]})  # new timings win
+                    current[key] = {"results": list(by_config.values()), "metadata": entry.get("metadata", {})}
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+                with contextlib.ExitStack() as stack:
+                    stack.callback(lambda: os.path.exists(tmp) and os.unlink(tmp))
+                    with os.fdopen(fd, "w") as f:
+                        f.write(_serialise(current, self.op, self.device_kind))
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, path)
+        except OSError as exc:
+            warnings.warn(f"tokamax_torch: cannot write the autotuning cache {path} "
+                          f"({exc.strerror or exc}); results are kept in memory only", RuntimeWarning, stacklevel=2)
+            return None
+        return path
