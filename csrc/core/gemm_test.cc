@@ -132,3 +132,40 @@ TEST(IsaTest, EnvironmentForcesTier) {
 
 }  // namespace
 }  // namespace tokamax
+
+namespace tokamax {
+namespace {
+
+CpuInfo Cpu(const char* vendor, int family, int model, bool avx512 = false) {
+  CpuInfo info;
+  info.vendor = vendor;
+  info.family = family;
+  info.model = model;
+  info.avx512f = avx512;
+  return info;
+}
+
+TEST(CpuInfoTest, MicroarchitectureNamesAreNormalised) {
+  EXPECT_EQ(MicroarchitectureName(Cpu("amd", 0x19, 0x01)), "zen3");   // EPYC Milan
+  EXPECT_EQ(MicroarchitectureName(Cpu("amd", 0x19, 0x21)), "zen3");   // Ryzen 5000
+  EXPECT_EQ(MicroarchitectureName(Cpu("amd", 0x19, 0x11)), "zen4");   // EPYC Genoa
+  EXPECT_EQ(MicroarchitectureName(Cpu("amd", 0x17, 0x31)), "zen2");
+  EXPECT_EQ(MicroarchitectureName(Cpu("amd", 0x1a, 0x02)), "zen5");
+  EXPECT_EQ(MicroarchitectureName(Cpu("intel", 6, 0x8f)), "sapphirerapids");
+  EXPECT_EQ(MicroarchitectureName(Cpu("intel", 6, 0x55, true)), "skylakex");
+  EXPECT_EQ(MicroarchitectureName(Cpu("intel", 6, 0x55, false)), "skylake");
+  EXPECT_EQ(MicroarchitectureName(Cpu("intel", 6, 0xa7)), "model167");  // unknown: stable, not a guess
+  EXPECT_EQ(MicroarchitectureName(Cpu("arm", 0, 0)), "aarch64");
+  EXPECT_EQ(MicroarchitectureName(Cpu("unknown", 0, 0)), "unknown");
+  for (const char* vendor : {"amd", "intel"}) {
+    for (int family : {6, 0x17, 0x19, 0x1a}) {
+      for (int model = 0; model < 256; model += 7) {
+        const std::string name = MicroarchitectureName(Cpu(vendor, family, model));
+        for (char c : name) EXPECT_TRUE((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9')) << name;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tokamax

@@ -46,10 +46,10 @@ def lookup_configs(op, *args, **kwargs):
     from tokamax_torch._settings import config as settings
 
     op = _family_op(op)
-    heuristic_fwd, heuristic_bwd = op.get_configs(*args, **kwargs)
+    heuristic = op.get_configs(*args, **kwargs)
     if not op.tunable:
-        return heuristic_fwd, heuristic_bwd
-    heuristics = {p: op.config_space(*args, product=p, **_space_kwargs(kwargs))[0] for p in op.products}
+        return heuristic
+    heuristics = op.split_configs(heuristic)
     cache = ConfigCache(op.family, _device_kind(), op.config_cls)
     chosen, missed = {}, []
     for product in op.products:

@@ -220,6 +220,11 @@ class _RaggedDot:
         """(fwd, bwd) from one Config per product."""
         return per_product["forward"], BackwardConfig(per_product["dlhs"], per_product["drhs"])
 
+    def split_configs(self, configs: tuple[Config, BackwardConfig]) -> dict:
+        """The inverse of assemble_configs."""
+        fwd, bwd = configs
+        return {"forward": fwd, "dlhs": bwd.dlhs, "drhs": bwd.drhs}
+
     def cache_key(self, lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers=None,
                   preferred_element_type=None, configs=None, product: str = "forward") -> dict:
         """The canonical argument spec an autotuning cache entry is stored under.

@@ -1,0 +1,292 @@
+"""The autotuning cache and the autotuner (issue 3)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import tokamax_torch
+from tokamax_torch.autotuning import cache as cache_mod
+from tokamax_torch.ops import ragged_dot as rd
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def user_cache(tmp_path, monkeypatch):
+    """Every test gets its own user cache directory and fresh once-per-file warnings."""
+    monkeypatch.setattr(tokamax_torch.config, "cache_dir", str(tmp_path / "cache"))
+    monkeypatch.setattr(tokamax_torch.config, "autotuning_cache_miss", "heuristics")
+    monkeypatch.setattr(cache_mod, "_warned", set())
+    return tmp_path / "cache"
+
+
+def small_args(m=96, k=64, n=48, g=3, dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.randn(m, k, dtype=dtype), torch.randn(g, k, n, dtype=dtype), torch.full((g,), m // g, dtype=torch.int32)
+
+
+def user_file():
+    return pathlib.Path(tokamax_torch.config.cache_dir) / "autotuning" / tokamax_torch.device_kind() / "ragged_dot.json"
+
+
+def tune(*args, **kwargs):
+    kwargs.setdefault("max_configs", 4)
+    kwargs.setdefault("reps", 2)
+    kwargs.setdefault("progress", False)
+    return tokamax_torch.autotune(tokamax_torch.ragged_dot, *args, **kwargs)
+
+
+# ---- device_kind --------------------------------------------------------------------------------
+
+def test_device_kind_is_normalised_and_stable():
+    kind = tokamax_torch.device_kind()
+    vendor, *_, isa = kind.split("_")
+    assert kind == kind.lower() and all(part.isalnum() for part in kind.split("_"))
+    assert vendor in ("amd", "intel", "arm", "unknown") and isa in ("scalar", "avx2", "avx512")
+    assert tokamax_torch.device_kind() == tokamax_torch.device_kind(torch.device("cpu")) == kind
+    with pytest.raises(NotImplementedError, match="only CPU"):
+        tokamax_torch.device_kind("meta")
+
+
+def test_device_kind_follows_the_forced_tier(monkeypatch):
+    monkeypatch.setenv("TOKAMAX_CPU_ISA", "scalar")
+    assert tokamax_torch.device_kind().endswith("_scalar")
+
+
+# ---- autotune, the result, the cache ------------------------------------------------------------
+
+def test_autotune_writes_cache_and_get_configs_reads_it():
+    lhs, rhs, gs = small_args()
+    result = tune(lhs, rhs, gs)
+    assert [p.product for p in result.products] == ["forward", "dlhs", "drhs"]
+    for p in result.products:
+        assert p.results[0]["config"] == p.best and p.timing(p.heuristic) is not None
+        assert all(r["samples"] == 2 and r["min_ms"] <= r["median_ms"] for r in p.results)
+    assert result.cache_path == str(user_file())
+    data = json.loads(user_file().read_text())
+    assert data["format"] == cache_mod.FORMAT and len(data["entries"]) == 3
+    for entry in data["entries"].values():
+        assert set(entry["metadata"]) == {"tokamax_torch", "torch", "date"}
+    fwd, bwd = tokamax_torch.get_configs(tokamax_torch.ragged_dot, lhs, rhs, gs, from_autotuning_cache=True)
+    assert (fwd, bwd) == result.configs
+    # Lookups work on meta tensors and need no tuning.
+    meta = [t.to("meta") for t in (lhs, rhs, gs)]
+    assert tokamax_torch.get_configs(tokamax_torch.ragged_dot, *meta, from_autotuning_cache=True) == result.configs
+    # The reference has no configs, cache or not.
+    assert tokamax_torch.get_configs(rd.reference, lhs, rhs, gs, from_autotuning_cache=True) == (None, None)
+
+
+def test_result_prints_a_table_and_round_trips():
+    result = tune(*small_args(), products=["forward"])
+    text = str(result)
+    assert "heuristic ms" in text and "best ms" in text and "forward" in text
+    again = tokamax_torch.AutotuningResult.loads(result.dumps())
+    assert again == result and again.products[0].best == result.products[0].best
+
+
+def test_budget_and_products(monkeypatch):
+    result = tune(*small_args(), products=["drhs"], budget_s=0.0, max_configs=None)
+    (p,) = result.products
+    assert p.product == "drhs" and len(p.results) == 1 and p.best == p.heuristic  # heuristic always timed
+    with pytest.raises(ValueError, match="product must be one of"):
+        tune(*small_args(), products=["backward"])
+    with pytest.raises(ValueError, match="no configs to tune"):
+        tokamax_torch.autotune(rd.reference, *small_args())
+
+
+def test_representative_group_sizes_make_their_own_key():
+    lhs, rhs, _ = small_args()
+    tune(lhs, rhs, [10, 50, 36], products=["forward"])
+    keys = [json.loads(k) for k in json.loads(user_file().read_text())["entries"]]
+    assert keys[0]["group_sizes"] == {"values": [10, 50, 36]}
+    # A lookup by shape does not match a key with values: it falls back to the heuristic.
+    by_shape = tokamax_torch.get_configs(tokamax_torch.ragged_dot, *small_args(), from_autotuning_cache=True)
+    assert by_shape == tokamax_torch.get_configs(tokamax_torch.ragged_dot, *small_args())
+
+
+def test_meta_tensors_can_be_autotuned():
+    lhs, rhs, gs = (t.to("meta") for t in small_args())
+    result = tune(lhs, rhs, gs, products=["forward"])
+    assert result.products[0].key["lhs"] == {"shape": [96, 64], "dtype": "float32"}
+
+
+def test_tuned_config_is_deterministic_and_agrees_with_heuristic():
+    lhs, rhs, gs = small_args(m=120, k=300, n=80)
+    tune(lhs, rhs, gs, max_configs=8)
+    configs = tokamax_torch.get_configs(tokamax_torch.ragged_dot, lhs, rhs, gs, from_autotuning_cache=True)
+    tuned = tokamax_torch.ragged_dot(lhs, rhs, gs, configs=configs)
+    assert torch.equal(tuned, tokamax_torch.ragged_dot(lhs, rhs, gs, configs=configs))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = tokamax_torch.ragged_dot(lhs, rhs, gs, configs=configs)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(tuned, single)
+    torch.testing.assert_close(tuned, tokamax_torch.ragged_dot(lhs, rhs, gs), rtol=2e-5, atol=2e-5)
+
+
+# ---- misses -------------------------------------------------------------------------------------
+
+def test_miss_falls_back_warns_or_raises(monkeypatch):
+    args = small_args()
+    heuristic = tokamax_torch.get_configs(tokamax_torch.ragged_dot, *args)
+    assert tokamax_torch.get_configs(tokamax_torch.ragged_dot, *args, from_autotuning_cache=True) == heuristic
+    monkeypatch.setattr(tokamax_torch.config, "autotuning_cache_miss", "warn")
+    with pytest.warns(RuntimeWarning, match="no autotuned ragged_dot config for 3 of 3 products"):
+        assert tokamax_torch.get_configs(tokamax_torch.ragged_dot, *args, from_autotuning_cache=True) == heuristic
+    monkeypatch.setattr(tokamax_torch.config, "autotuning_cache_miss", "error")
+    with pytest.raises(LookupError, match="no autotuned ragged_dot config"):
+        tokamax_torch.get_configs(tokamax_torch.ragged_dot, *args, from_autotuning_cache=True)
+    with pytest.raises(ValueError, match="autotuning_cache_miss must be one of"):
+        tokamax_torch.config.autotuning_cache_miss = "sometimes"
+
+
+def test_settings_come_from_the_environment():
+    code = ("import tokamax_torch as t; print(t.config.autotuning_cache_miss, t.config.cache_dir)")
+    env = dict(os.environ, TOKAMAX_TORCH_AUTOTUNING_CACHE_MISS="error", TOKAMAX_TORCH_CACHE_DIR="/tmp/x-cache")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["error", "/tmp/x-cache"]
+
+
+# ---- robustness ---------------------------------------------------------------------------------
+
+def _entry(config, key=None):
+    lhs, rhs, gs = small_args()
+    key = key or rd.kernel.cache_key(lhs, rhs, gs, product="forward")
+    return {cache_mod.canonical_key(key): {"results": [{"config": config, "median_ms": 1.0, "min_ms": 0.9,
+                                                         "samples": 3}], "metadata": {}}}
+
+
+def _file(entries=None, **overrides):
+    doc = {"format": cache_mod.FORMAT, "op": "ragged_dot", "device_kind": tokamax_torch.device_kind(),
+           "entries": entries if entries is not None else {}}
+    doc.update(overrides)
+    return json.dumps(doc)
+
+
+GOOD = {"block_m": 12, "block_k": 64, "block_n": 32, "task_m": 24, "pack_b_min_rows": 0}
+BAD_FILES = {
+    "corrupt": "{not json",
+    "truncated": _file(_entry(GOOD))[:-40],
+    "wrong top-level type": "[1, 2, 3]",
+    "wrongly typed config": _file(_entry(dict(GOOD, block_m="12"))),
+    "missing field": _file(_entry({k: v for k, v in GOOD.items() if k != "task_m"})),
+    "foreign version": _file(_entry(GOOD), format="tokamax_torch.autotuning/99"),
+    "other device kind": _file(_entry(GOOD), device_kind="amd_zen9_avx1024"),
+    "tile size 0": _file(_entry(dict(GOOD, block_m=0))),
+    "tile size 1e9": _file(_entry(dict(GOOD, block_n=10**9))),
+    "negative timing": _file({k: dict(v, results=[dict(v["results"][0], median_ms=-1)]) for k, v in _entry(GOOD).items()}),
+}
+
+
+@pytest.mark.parametrize("name", BAD_FILES)
+def test_bad_cache_file_warns_once_and_falls_back(name):
+    path = user_file()
+    path.parent.mkdir(parents=True)
+    path.write_text(BAD_FILES[name])
+    args = small_args()
+    heuristic = tokamax_torch.get_configs(tokamax_torch.ragged_dot, *args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert tokamax_torch.get_configs(tokamax_torch.ragged_dot, *args, from_autotuning_cache=True) == heuristic
+    messages = [str(w.message) for w in caught if "autotuning cache file" in str(w.message)]
+    assert len(messages) == 1 and str(path) in messages[0]
+
+
+def test_good_file_is_used_and_user_entries_win(tmp_path):
+    shipped = tmp_path / "shipped"
+    kind = tokamax_torch.device_kind()
+    (shipped / kind).mkdir(parents=True)
+    other = dict(GOOD, block_k=128)
+    (shipped / kind / "ragged_dot.json").write_text(_file(_entry(other)))
+    cache = cache_mod.ConfigCache("ragged_dot", kind, rd.Config, shipped_root=shipped)
+    lhs, rhs, gs = small_args()
+    key = rd.kernel.cache_key(lhs, rhs, gs, product="forward")
+    assert cache.lookup(key) == rd.Config(**other)  # shipped data alone
+    user_file().parent.mkdir(parents=True)
+    user_file().write_text(_file(_entry(GOOD)))
+    assert cache.lookup(key) == rd.Config(**GOOD)   # the user directory wins
+    assert cache.lookup(dict(key, product="dlhs")) is None
+
+
+def test_unwritable_or_missing_cache_dir_warns_and_carries_on(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setattr(tokamax_torch.config, "cache_dir", str(blocker / "cache"))
+    args = small_args()
+    assert tokamax_torch.get_configs(tokamax_torch.ragged_dot, *args, from_autotuning_cache=True)  # missing dir: fine
+    with pytest.warns(RuntimeWarning, match="cannot write the autotuning cache"):
+        result = tune(*args, products=["forward"])
+    assert result.cache_path is None and result.products[0].best is not None
+
+
+def test_shipped_cache_files_are_valid():
+    files = sorted(cache_mod.SHIPPED_ROOT.glob("*/*.json"))
+    for path in files:
+        kind, op = path.parent.name, path.stem
+        config_cls = getattr(tokamax_torch.ops, op).kernel.config_cls
+        entries = cache_mod.parse_file(path.read_text(), op, kind, config_cls)
+        assert entries, path
+
+
+# ---- several processes --------------------------------------------------------------------------
+
+TUNE_SCRIPT = """
+import sys, torch, tokamax_torch
+m = int(sys.argv[1])
+lhs, rhs, gs = torch.randn(m, 64), torch.randn(2, 64, 32), torch.tensor([m // 2, m - m // 2], dtype=torch.int32)
+r = tokamax_torch.autotune(tokamax_torch.ragged_dot, lhs, rhs, gs, max_configs=6, reps=2,
+                           progress=False)
+print(r.products[0].best.to_list())
+"""
+LOOKUP_SCRIPT = """
+import sys, torch, tokamax_torch
+tokamax_torch.config.autotuning_cache_miss = "error"
+m = int(sys.argv[1])
+args = (torch.empty(m, 64, device="meta"), torch.empty(2, 64, 32, device="meta"),
+        torch.empty(2, dtype=torch.int32, device="meta"))
+print(tokamax_torch.get_configs(tokamax_torch.ragged_dot, *args, from_autotuning_cache=True)[0].to_list())
+"""
+
+
+def _env(cache_dir):
+    return dict(os.environ, TOKAMAX_TORCH_CACHE_DIR=str(cache_dir), PYTHONPATH=str(REPO))
+
+
+def test_second_process_loads_what_the_first_tuned(user_cache):
+    first = subprocess.run([sys.executable, "-c", TUNE_SCRIPT, "80"], env=_env(user_cache), capture_output=True,
+                           text=True, check=True).stdout.strip()
+    second = subprocess.run([sys.executable, "-c", LOOKUP_SCRIPT, "80"], env=_env(user_cache), capture_output=True,
+                            text=True, check=True)
+    # The lookup process would raise on a miss (autotuning_cache_miss="error"); it tunes nothing.
+    assert second.stdout.strip() == first
+
+
+def test_concurrent_autotuners_merge_into_one_valid_file(user_cache):
+    procs = [subprocess.Popen([sys.executable, "-c", TUNE_SCRIPT, str(m)], env=_env(user_cache),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for m in (70, 90)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    path = user_cache / "autotuning" / tokamax_torch.device_kind() / "ragged_dot.json"
+    entries = cache_mod.parse_file(path.read_text(), "ragged_dot", tokamax_torch.device_kind(), rd.Config)
+    assert sorted(json.loads(k)["lhs"]["shape"][0] for k in entries) == [70, 70, 70, 90, 90, 90]
+    assert not list(path.parent.glob("*.tmp"))
+
+
+def test_command_line(user_cache):
+    out = subprocess.run(
+        [sys.executable, "-m", "tokamax_torch.autotune", "ragged_dot", "--shape", "64,32,32,2", "--dtype", "bfloat16",
+         "--max-configs", "2", "--reps", "1"], env=_env(user_cache), capture_output=True, text=True, check=True).stdout
+    assert "shape 64,32,32,2, bfloat16" in out and "best config" in out and "written to" in out
+    bad = subprocess.run([sys.executable, "-m", "tokamax_torch.autotune", "ragged_dot", "--shape", "1,2"],
+                         env=_env(user_cache), capture_output=True, text=True)
+    assert bad.returncode != 0 and "--shape must be M,K,N,G" in bad.stderr
