@@ -42,9 +42,16 @@ def grouped_mm(lhs, rhs, group_sizes):
     return torch._grouped_mm(lhs, rhs, offs=offs)
 
 
-def implementations():
+def tuned_kernel(lhs, rhs, group_sizes):
+    """The kernel with the configs of the autotuning cache (heuristics on a miss)."""
+    configs = tokamax_torch.get_configs(tokamax_torch.ragged_dot, lhs, rhs, group_sizes, from_autotuning_cache=True)
+    return lambda l, r, gs: tokamax_torch.ragged_dot(l, r, gs, configs=configs)
+
+
+def implementations(lhs, rhs, group_sizes):
     return {
         "tokamax kernel": lambda l, r, gs: tokamax_torch.ragged_dot(l, r, gs),
+        "tokamax tuned": tuned_kernel(lhs, rhs, group_sizes),
         "tokamax reference": lambda l, r, gs: rd.reference(l, r, gs),
         "torch._grouped_mm": grouped_mm,
         "torch.mm loop": mm_loop,
@@ -97,7 +104,7 @@ def main() -> None:
             for backward in (False, True):
                 flops = 2 * s["m"] * s["k"] * s["n"] * (3 if backward else 1)
                 results = {}
-                for name, fn in implementations().items():
+                for name, fn in implementations(lhs, rhs, gs).items():
                     try:
                         results[name] = bench_one(fn, lhs, rhs, gs, backward, args.reps)
                     except Exception as exc:  # e.g. an op without a CPU or autograd path
@@ -124,6 +131,7 @@ def main() -> None:
     print(f"wrote {path}")
     plot(rows, ceilings, path.with_suffix(".png"))
     print_targets(rows, ceilings)
+    print_tuning(rows)
 
 
 def _median(rows, **match):
@@ -167,6 +175,18 @@ def print_targets(rows, ceilings) -> None:
             line(f"({shape}) {dtype} fwd+bwd speed-up vs reference under autograd", ref / k if k and ref else None, 1.2)
 
 
+def print_tuning(rows) -> None:
+    """Heuristic vs autotuned configs, side by side (the cache is consulted on the side)."""
+    print("\nheuristic vs autotuned configs (tokamax_torch.get_configs(..., from_autotuning_cache=True)):")
+    for r in rows:
+        if r["implementation"] != "tokamax kernel" or "median_ms" not in r:
+            continue
+        tuned = _median(rows, shape=r["shape"], dtype=r["dtype"], backward=r["backward"], implementation="tokamax tuned")
+        if tuned:
+            print(f"  ({r['shape']}) {r['dtype']:<9} {'fwd+bwd' if r['backward'] else 'fwd':<8} heuristic "
+                  f"{r['median_ms']:8.2f} ms  tuned {tuned:8.2f} ms  ({r['median_ms'] / tuned:.2f}x)")
+
+
 def plot(rows, ceilings, path) -> None:
     try:
         import matplotlib
@@ -177,7 +197,7 @@ def plot(rows, ceilings, path) -> None:
         print("matplotlib missing: no plot")
         return
     groups = sorted({(r["shape"], r["dtype"], r["backward"]) for r in rows})
-    names = list(implementations())
+    names = ["tokamax kernel", "tokamax tuned", "tokamax reference", "torch._grouped_mm", "torch.mm loop"]
     fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(groups)), 4.5))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
