@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     parser.add_argument("--products", default=None, help="comma separated subset of forward,dlhs,drhs")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--budget-s", type=float, default=None, help="time budget per shape and dtype")
+    parser.add_argument("--budget-s", type=float, default=None, help="time budget per shape and dtype, split between the products")
     parser.add_argument("--max-configs", type=int, default=None)
     parser.add_argument("--no-write", action="store_true", help="do not write the user cache")
     args = parser.parse_args(argv)

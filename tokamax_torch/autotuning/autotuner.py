@@ -160,8 +160,9 @@ def autotune(op, *args, products=None, warmup: int = 1, reps: int = 5, budget_s:
 
     products: which of ``op.products`` to tune (default all: the forward call and each gradient
     product). Candidates are the op's ``config_space`` (already pruned by the C++ Validate()),
-    heuristic first. budget_s: a wall-clock budget for the whole run; once spent, the remaining
-    candidates are skipped (the heuristic is always timed). Results are merged into the user
+    heuristic first. budget_s: a wall-clock budget for the whole run, split evenly between the
+    products; once a product's share is spent its remaining candidates are skipped (its
+    heuristic is always timed). Results are merged into the user
     cache unless write_cache=False. Meta tensors are allowed: inputs of their shapes are made.
     """
     op = _family_op(op)
@@ -171,7 +172,6 @@ def autotune(op, *args, products=None, warmup: int = 1, reps: int = 5, budget_s:
     for p in products:
         if p not in op.products:
             raise ValueError(f"autotuning: product must be one of {list(op.products)}, got {p!r}")
-    deadline = None if budget_s is None else time.monotonic() + budget_s
     candidates = {p: op.config_space(*args, product=p, **_space_kwargs(kwargs)) for p in products}
     if max_configs is not None:
         candidates = {p: c[:max(1, max_configs)] for p, c in candidates.items()}
@@ -185,6 +185,7 @@ def autotune(op, *args, products=None, warmup: int = 1, reps: int = 5, budget_s:
     try:
         for product in products:
             run = op.autotuning_runner(*args, product=product, **kwargs)
+            deadline = None if budget_s is None else time.monotonic() + budget_s / len(products)
             results = []
             for i, config in enumerate(candidates[product]):
                 if i > 0 and deadline is not None and time.monotonic() > deadline:

@@ -136,13 +136,14 @@ RaggedDotConfig RaggedDotHeuristicConfig(const RaggedDotShape& shape, DType dtyp
   // below that the micro-kernel reads B in place (measured with avx2: 64-row groups run 1.2x
   // faster in place, 1024-row groups 1.1x faster packed; with avx512 in place wins 1.1x too).
   config.pack_b_min_rows = 96;
-  const bool in_place = rows < config.pack_b_min_rows;
+  // TRANS_RHS reads rhs[g]ᵀ, whose columns are strided: B is always packed there.
+  const bool in_place = rows < config.pack_b_min_rows && shape.form != RaggedDotForm::kTransRhs;
   // block_n: wide blocks amortise packing A over more micro-panels; 512 columns unless N is
   // smaller. E.g. N = 1024 gives two column blocks per group. Tiny groups (a few rows) stream
   // B from memory, so they use 1024-wide blocks and shallow K slices that keep the rows of B
   // being walked in flight together (M=64, G=16: 2.0x faster than 256-deep slices).
   const int64_t max_n = RoundUp(std::max<int64_t>(shape.n, 1), kGemmNr);
-  config.block_n = std::min<int64_t>(rows <= 2 * kGemmMr ? 1024 : 512, max_n);
+  config.block_n = std::min<int64_t>(in_place && rows <= 2 * kGemmMr ? 1024 : 512, max_n);
   if (in_place) config.block_k = rows <= 2 * kGemmMr ? 32 : 128;
   // task_m: a whole group per task when that already gives kTargetTasks tasks, else halve.
   // E.g. M=8192, G=8, N=1024: 1024-row groups x 2 column blocks = 16 tasks of 1152 rows.
