@@ -104,27 +104,11 @@ void Micro6x16(int64_t depth, const float* a, const T* b, int64_t ldb, float* c,
   }
 }
 
-void MicroF32(int64_t depth, const float* a, const float* b, int64_t ldb, float* c, int64_t ldc,
-              bool accumulate) {
-  Micro6x16(depth, a, b, ldb, c, ldc, accumulate);
-}
-void MicroBF16(int64_t depth, const float* a, const uint16_t* b, int64_t ldb, float* c,
-               int64_t ldc, bool accumulate) {
-  Micro6x16(depth, a, reinterpret_cast<const BFloat16Bits*>(b), ldb, c, ldc, accumulate);
-}
-void MicroF16(int64_t depth, const float* a, const uint16_t* b, int64_t ldb, float* c,
-              int64_t ldc, bool accumulate) {
-  Micro6x16(depth, a, reinterpret_cast<const Float16Bits*>(b), ldb, c, ldc, accumulate);
-}
-
 }  // namespace gemm_avx2
 
 const GemmKernels& GemmKernelsAvx2() {
-  static const GemmKernels kernels = {
-      gemm_avx2::kMr,        gemm_avx2::kNr,
-      &gemm_avx2::PackA,     &gemm_avx2::PackB,    &gemm_avx2::MicroF32,
-      &gemm_avx2::MicroBF16, &gemm_avx2::MicroF16, &gemm_avx2::StoreC,
-  };
+  using namespace gemm_avx2;
+  static const GemmKernels kernels = TOKAMAX_GEMM_KERNELS(Micro6x16);
   return kernels;
 }
 

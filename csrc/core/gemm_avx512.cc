@@ -86,27 +86,11 @@ void Micro12x32(int64_t depth, const float* a, const T* b, int64_t ldb, float* c
 #undef TOKAMAX_ROWS
 }
 
-void MicroF32(int64_t depth, const float* a, const float* b, int64_t ldb, float* c, int64_t ldc,
-              bool accumulate) {
-  Micro12x32(depth, a, b, ldb, c, ldc, accumulate);
-}
-void MicroBF16(int64_t depth, const float* a, const uint16_t* b, int64_t ldb, float* c,
-               int64_t ldc, bool accumulate) {
-  Micro12x32(depth, a, reinterpret_cast<const BFloat16Bits*>(b), ldb, c, ldc, accumulate);
-}
-void MicroF16(int64_t depth, const float* a, const uint16_t* b, int64_t ldb, float* c,
-              int64_t ldc, bool accumulate) {
-  Micro12x32(depth, a, reinterpret_cast<const Float16Bits*>(b), ldb, c, ldc, accumulate);
-}
-
 }  // namespace gemm_avx512
 
 const GemmKernels& GemmKernelsAvx512() {
-  static const GemmKernels kernels = {
-      gemm_avx512::kMr,        gemm_avx512::kNr,       &gemm_avx512::PackA,
-      &gemm_avx512::PackB,     &gemm_avx512::MicroF32, &gemm_avx512::MicroBF16,
-      &gemm_avx512::MicroF16,  &gemm_avx512::StoreC,
-  };
+  using namespace gemm_avx512;
+  static const GemmKernels kernels = TOKAMAX_GEMM_KERNELS(Micro12x32);
   return kernels;
 }
 

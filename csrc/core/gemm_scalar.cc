@@ -11,11 +11,8 @@ constexpr int64_t kNr = 16;
 }  // namespace gemm_scalar
 
 const GemmKernels& GemmKernelsScalar() {
-  static const GemmKernels kernels = {
-      gemm_scalar::kMr,             gemm_scalar::kNr,
-      &gemm_scalar::PackA,          &gemm_scalar::PackB,          &gemm_scalar::MicroScalarF32,
-      &gemm_scalar::MicroScalarBF16, &gemm_scalar::MicroScalarF16, &gemm_scalar::StoreC,
-  };
+  using namespace gemm_scalar;
+  static const GemmKernels kernels = TOKAMAX_GEMM_KERNELS(MicroScalar);
   return kernels;
 }
 

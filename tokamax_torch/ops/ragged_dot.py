@@ -188,13 +188,7 @@ class _RaggedDot:
         """
         if not self.tunable:
             return None, None
-        args = (
-            lhs,
-            rhs,
-            _group_sizes_tensor(group_sizes),
-            _flat_dimension_numbers(ragged_dot_dimension_numbers),
-            _dtype(preferred_element_type),
-        )
+        args = _config_op_args(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, preferred_element_type)
         heuristic = torch.ops.tokamax._ragged_dot_heuristic_config
         return Config(*heuristic(*args, PRODUCTS["forward"])), BackwardConfig(
             Config(*heuristic(*args, PRODUCTS["dlhs"])), Config(*heuristic(*args, PRODUCTS["drhs"]))
@@ -205,11 +199,8 @@ class _RaggedDot:
         if product not in PRODUCTS:
             raise ValueError(f"ragged_dot: product must be one of {list(PRODUCTS)}, got {product!r}")
         flat = torch.ops.tokamax._ragged_dot_config_space(
-            lhs,
-            rhs,
-            _group_sizes_tensor(group_sizes),
-            _flat_dimension_numbers(kwargs.get("ragged_dot_dimension_numbers")),
-            _dtype(kwargs.get("preferred_element_type")),
+            *_config_op_args(lhs, rhs, group_sizes, kwargs.get("ragged_dot_dimension_numbers"),
+                             kwargs.get("preferred_element_type")),
             PRODUCTS[product],
         )
         n = len(dataclasses.fields(Config))
@@ -286,6 +277,12 @@ class _RaggedDot:
             out = self(lhs, rhs, sizes, configs=(None, config), **kwargs)
             torch.autograd.grad(out, wrt, torch.ones_like(out))
         return run
+
+
+def _config_op_args(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type):
+    """The leading arguments of the _ragged_dot_heuristic_config / _config_space ops."""
+    return (lhs, rhs, _group_sizes_tensor(group_sizes), _flat_dimension_numbers(dimension_numbers),
+            _dtype(preferred_element_type))
 
 
 def _group_sizes_tensor(group_sizes):
