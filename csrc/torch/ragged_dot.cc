@@ -4,6 +4,8 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <sys/mman.h>
+
 #include <optional>
 #include <sstream>
 #include <string>
@@ -144,6 +146,21 @@ Tensor EmptyOutput(const Tensor& lhs, const RaggedDotSignature& sig) {
   return at::empty_symint(sig.out_shape, lhs.options().dtype(sig.out_dtype));
 }
 
+// A fresh multi-MiB output is first touched by the kernel, and 4 KiB page faults cost ~10 ms
+// per 32 MiB here (~15% of an 8192x1024x1024 ragged_dot). Asking for transparent huge pages
+// on its 2 MiB-aligned interior (Linux, THP "madvise" mode) cuts the fault count 512-fold.
+void AdviseHugePages(const Tensor& out) {
+#ifdef MADV_HUGEPAGE
+  constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
+  const size_t bytes = out.nbytes();
+  if (!out.device().is_cpu() || bytes < 4 * kHugePage) return;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(out.data_ptr());
+  const uintptr_t begin = (start + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t end = (start + bytes) & ~(kHugePage - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // advisory only
+#endif
+}
+
 std::vector<int64_t> GroupSizesToVector(const Tensor& group_sizes) {
   const Tensor sizes = group_sizes.to(at::kLong).contiguous();
   const int64_t* data = sizes.const_data_ptr<int64_t>();
@@ -190,6 +207,7 @@ Tensor RaggedDotCpu(const Tensor& lhs, const Tensor& rhs, const Tensor& group_si
   TORCH_CHECK(sizes_status.ok(), sizes_status.message());
 
   Tensor out = EmptyOutput(lhs, sig);
+  AdviseHugePages(out);
   RaggedDotParams params;
   params.form = sig.form;
   params.lhs = ViewOf(lhs);
