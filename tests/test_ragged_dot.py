@@ -342,6 +342,10 @@ def test_no_config_is_the_heuristic_config(impl, form, m, k, n, g):
         torch.autograd.grad(plain, (lhs, rhs), dout), torch.autograd.grad(explicit, (lhs, rhs), dout)))
     compiled = torch.compile(lambda a, b: impl(a, b, gs, ragged_dot_dimension_numbers=form), fullgraph=True)
     torch.testing.assert_close(compiled(lhs, rhs), plain)
+    # Config dataclasses are constants to Dynamo: no graph break, same bits as eager.
+    with_configs = torch.compile(
+        lambda a, b: impl(a, b, gs, ragged_dot_dimension_numbers=form, configs=configs), fullgraph=True)
+    assert torch.equal(with_configs(lhs, rhs), explicit)
 
 
 def test_explicit_backward_configs_are_honoured():
