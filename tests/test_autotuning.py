@@ -17,15 +17,6 @@ from tokamax_torch.ops import ragged_dot as rd
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def user_cache(tmp_path, monkeypatch):
-    """Every test gets its own user cache directory and fresh once-per-file warnings."""
-    monkeypatch.setattr(tokamax_torch.config, "cache_dir", str(tmp_path / "cache"))
-    monkeypatch.setattr(tokamax_torch.config, "autotuning_cache_miss", "heuristics")
-    monkeypatch.setattr(cache_mod, "_warned", set())
-    return tmp_path / "cache"
-
-
 def small_args(m=96, k=64, n=48, g=3, dtype=torch.float32):
     torch.manual_seed(0)
     return torch.randn(m, k, dtype=dtype), torch.randn(g, k, n, dtype=dtype), torch.full((g,), m // g, dtype=torch.int32)
@@ -98,6 +89,8 @@ def test_budget_and_products(monkeypatch):
         tune(*small_args(), products=["backward"])
     with pytest.raises(ValueError, match="no configs to tune"):
         tokamax_torch.autotune(rd.reference, *small_args())
+    with pytest.raises(ValueError, match="reps must be >= 1"):
+        tune(*small_args(), reps=0)
 
 
 def test_representative_group_sizes_make_their_own_key():
@@ -108,6 +101,15 @@ def test_representative_group_sizes_make_their_own_key():
     # A lookup by shape does not match a key with values: it falls back to the heuristic.
     by_shape = tokamax_torch.get_configs(tokamax_torch.ragged_dot, *small_args(), from_autotuning_cache=True)
     assert by_shape == tokamax_torch.get_configs(tokamax_torch.ragged_dot, *small_args())
+
+
+def test_meta_tensors_with_representative_group_sizes():
+    lhs, rhs, _ = (t.to("meta") for t in small_args())
+    sizes = [10, 50, 36]
+    assert len(rd.kernel.config_space(lhs, rhs, sizes)) > 1
+    result = tune(lhs, rhs, sizes, products=["forward"])
+    assert tokamax_torch.get_configs(tokamax_torch.ragged_dot, lhs, rhs, sizes, from_autotuning_cache=True)[0] \
+        == result.products[0].best
 
 
 def test_meta_tensors_can_be_autotuned():
@@ -183,6 +185,9 @@ BAD_FILES = {
     "tile size 0": _file(_entry(dict(GOOD, block_m=0))),
     "tile size 1e9": _file(_entry(dict(GOOD, block_n=10**9))),
     "negative timing": _file({k: dict(v, results=[dict(v["results"][0], median_ms=-1)]) for k, v in _entry(GOOD).items()}),
+    "not utf-8": b"\xff\xfe\x00garbage",
+    "deep nesting": "[" * 100000,
+    "huge integer": '{"format": ' + "9" * 5000 + "}",
 }
 
 
@@ -190,7 +195,8 @@ BAD_FILES = {
 def test_bad_cache_file_warns_once_and_falls_back(name):
     path = user_file()
     path.parent.mkdir(parents=True)
-    path.write_text(BAD_FILES[name])
+    content = BAD_FILES[name]
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
     args = small_args()
     heuristic = tokamax_torch.get_configs(tokamax_torch.ragged_dot, *args)
     with warnings.catch_warnings(record=True) as caught:
@@ -199,6 +205,30 @@ def test_bad_cache_file_warns_once_and_falls_back(name):
             assert tokamax_torch.get_configs(tokamax_torch.ragged_dot, *args, from_autotuning_cache=True) == heuristic
     messages = [str(w.message) for w in caught if "autotuning cache file" in str(w.message)]
     assert len(messages) == 1 and str(path) in messages[0]
+
+
+def test_writing_never_erases_a_file_it_cannot_parse():
+    path = user_file()
+    path.parent.mkdir(parents=True)
+    foreign = _file(_entry(GOOD), format="tokamax_torch.autotuning/2")
+    path.write_text(foreign)
+    with pytest.warns(RuntimeWarning, match="moved it to"):
+        tune(*small_args(), products=["forward"])
+    kept = list(path.parent.glob("ragged_dot.json.bad-*"))
+    assert len(kept) == 1 and kept[0].read_text() == foreign
+    assert cache_mod.parse_file(path.read_text(), "ragged_dot", tokamax_torch.device_kind(), rd.Config)
+
+
+def test_written_files_are_readable_by_others():
+    old = os.umask(0o022)
+    try:
+        tune(*small_args(), products=["forward"])  # a new file: 0666 less the umask, not mkstemp's 0600
+        assert user_file().stat().st_mode & 0o777 == 0o644
+        user_file().chmod(0o664)
+        tune(*small_args(), products=["dlhs"])     # an existing file keeps its mode
+        assert user_file().stat().st_mode & 0o777 == 0o664
+    finally:
+        os.umask(old)
 
 
 def test_good_file_is_used_and_user_entries_win(tmp_path):
@@ -287,6 +317,11 @@ def test_command_line(user_cache):
         [sys.executable, "-m", "tokamax_torch.autotune", "ragged_dot", "--shape", "64,32,32,2", "--dtype", "bfloat16",
          "--max-configs", "2", "--reps", "1"], env=_env(user_cache), capture_output=True, text=True, check=True).stdout
     assert "shape 64,32,32,2, bfloat16" in out and "best config" in out and "written to" in out
+    sized = subprocess.run(
+        [sys.executable, "-m", "tokamax_torch.autotune", "ragged_dot", "--shape", "16,8,8,2", "--group-sizes", "6,10",
+         "--max-configs", "2", "--reps", "1", "--no-write"], env=_env(user_cache), capture_output=True, text=True,
+        check=True).stdout
+    assert "best config" in sized
     bad = subprocess.run([sys.executable, "-m", "tokamax_torch.autotune", "ragged_dot", "--shape", "1,2"],
                          env=_env(user_cache), capture_output=True, text=True)
     assert bad.returncode != 0 and "--shape must be M,K,N,G" in bad.stderr

@@ -107,9 +107,17 @@ def test_preferred_element_type(impl):
     assert impl(lhs, rhs, gs, preferred_element_type="float16").dtype == torch.float16
 
 
+def poison_allocator(numel):
+    """Frees a NaN-filled block of `numel` floats, so the next allocation of that size most
+    likely reuses NaN memory: an element the op forgets to write then shows up."""
+    blocks = [torch.full((numel,), float("nan")) for _ in range(4)]
+    del blocks
+
+
 def test_rows_past_total_are_exactly_zero(impl):
     lhs, rhs, _ = make_operands(rd.DEFAULT, 50, 16, 20, 3, torch.float32)
     gs = torch.tensor([10, 0, 15], dtype=torch.int32)
+    poison_allocator(50 * 20)
     out = impl(lhs, rhs, gs)
     assert torch.equal(out[25:], torch.zeros(25, 20))
     assert_matches_oracle(out, lhs, rhs, gs)
@@ -122,6 +130,7 @@ def test_empty_groups(impl, sizes):
     rhs = torch.randn(3, 12, 9)
     assert_matches_oracle(impl(lhs, rhs, gs), lhs, rhs, gs)
     drhs_in = torch.randn(30, 9)
+    poison_allocator(3 * 12 * 9)
     drhs = impl(lhs, drhs_in, gs, ragged_dot_dimension_numbers=rd.RAGGED_CONTRACTING)
     for g, size in enumerate(sizes):
         if size == 0:
@@ -349,16 +358,21 @@ def test_no_config_is_the_heuristic_config(impl, form, m, k, n, g):
 
 
 def test_explicit_backward_configs_are_honoured():
-    lhs, rhs, gs = make_operands(rd.DEFAULT, 90, 700, 40, 3, torch.float32)
+    # Long contractions in both gradient products (N=700 for dlhs, 300 rows per group for drhs),
+    # so a different block_k changes the summation order of each.
+    lhs, rhs, gs = make_operands(rd.DEFAULT, 600, 64, 700, 2, torch.float32)
     lhs.requires_grad_(True)
     rhs.requires_grad_(True)
-    dout = torch.randn(90, 40)
+    dout = torch.randn(600, 700)
     want = torch.autograd.grad(rd.reference(lhs, rhs, gs), (lhs, rhs), dout)
-    space = rd.kernel.config_space(lhs, rhs, gs, product="dlhs")
-    for bwd in (space[-1], rd.BackwardConfig(space[-1], space[1]), space[-1].to_list() + space[1].to_list()):
+    heuristic = torch.autograd.grad(rd.kernel(lhs, rhs, gs), (lhs, rhs), dout)
+    shallow = rd.Config(block_m=12, block_k=32, block_n=64, task_m=48, pack_b_min_rows=0)
+    other = rd.Config(block_m=72, block_k=256, block_n=256, task_m=144, pack_b_min_rows=96)
+    for bwd in (shallow, rd.BackwardConfig(shallow, other), shallow.to_list() + other.to_list()):
         got = torch.autograd.grad(rd.kernel(lhs, rhs, gs, configs=(None, bwd)), (lhs, rhs), dout)
-        for x, y in zip(got, want):
+        for x, y, h in zip(got, want, heuristic):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+            assert not torch.equal(x, h)  # the config reached this gradient product
 
 
 def test_explicit_config_is_honoured():
@@ -377,6 +391,13 @@ def test_explicit_config_is_honoured():
     # A different K blocking sums in another order: some config must change the bits, which
     # shows the config reaches the kernel.
     assert any(not torch.equal(out, heuristic) for out in outputs)
+
+
+def test_config_elements_must_be_ints():
+    lhs, rhs, gs = make_operands(rd.DEFAULT, 16, 8, 8, 2, torch.float32)
+    for bad in ("abc", ["144", 256, 512, 144, 12], [6.0, 8, 16, 6, 0], [True, 8, 16, 6, 0]):
+        with pytest.raises(TypeError, match="a config must be a Config, a sequence of ints or None"):
+            rd.kernel(lhs, rhs, gs, configs=(bad, None))
 
 
 def test_invalid_config_rejected():

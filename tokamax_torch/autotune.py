@@ -47,6 +47,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-configs", type=int, default=None)
     parser.add_argument("--no-write", action="store_true", help="do not write the user cache")
     args = parser.parse_args(argv)
+    if args.reps < 1 or args.warmup < 0:
+        parser.error(f"--reps must be >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
     for shape in args.shape:
         for dtype_name in args.dtype or ["float32"]:
             call_args, kwargs = ragged_dot_args(shape, getattr(torch, dtype_name), args.form, args.group_sizes)

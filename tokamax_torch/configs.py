@@ -27,7 +27,9 @@ def config_to_list(config) -> list[int] | None:
         return None
     if dataclasses.is_dataclass(config):
         return config.to_list()
-    return [int(v) for v in config]
+    if isinstance(config, (str, bytes)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in config):
+        raise TypeError(f"a config must be a Config, a sequence of ints or None, got {config!r}")
+    return list(config)
 
 
 def make_validator(validate_op: Callable[[list[int]], None]):

@@ -1,5 +1,7 @@
 // Element types the kernels read and write, and scalar conversions to and from fp32.
 // bf16 and fp16 are stored as raw uint16_t bit patterns so the core needs no torch types.
+// The helpers are `static`: every ISA translation unit gets its own copy compiled with its own
+// flags, so the linker can never hand an AVX-512 copy to code running on an AVX2-only CPU.
 #pragma once
 
 #include <cstdint>
@@ -11,7 +13,7 @@ namespace tokamax {
 // packed fp32 GEMM.
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat64 = 3 };
 
-inline const char* DTypeName(DType dtype) {
+static inline const char* DTypeName(DType dtype) {
   switch (dtype) {
     case DType::kFloat32: return "float32";
     case DType::kBFloat16: return "bfloat16";
@@ -21,26 +23,26 @@ inline const char* DTypeName(DType dtype) {
   return "unknown";
 }
 
-inline int64_t DTypeSize(DType dtype) {
+static inline int64_t DTypeSize(DType dtype) {
   return dtype == DType::kFloat64 ? 8 : (dtype == DType::kFloat32 ? 4 : 2);
 }
 
-inline float BitsToFloat(uint32_t bits) {
+static inline float BitsToFloat(uint32_t bits) {
   float value;
   std::memcpy(&value, &bits, sizeof(value));
   return value;
 }
 
-inline uint32_t FloatToBits(float value) {
+static inline uint32_t FloatToBits(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof(bits));
   return bits;
 }
 
-inline float BFloat16ToFloat(uint16_t bits) { return BitsToFloat(uint32_t{bits} << 16); }
+static inline float BFloat16ToFloat(uint16_t bits) { return BitsToFloat(uint32_t{bits} << 16); }
 
 // Round to nearest even; NaN stays a (quiet) NaN instead of rounding up into infinity.
-inline uint16_t FloatToBFloat16(float value) {
+static inline uint16_t FloatToBFloat16(float value) {
   const uint32_t bits = FloatToBits(value);
   if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
   const uint32_t rounding_bias = 0x7fffu + ((bits >> 16) & 1u);
@@ -48,7 +50,7 @@ inline uint16_t FloatToBFloat16(float value) {
 }
 
 // IEEE binary16 -> binary32, exact (subnormals, infinities and NaN included).
-inline float HalfToFloat(uint16_t half) {
+static inline float HalfToFloat(uint16_t half) {
   const uint32_t sign = uint32_t{half & 0x8000u} << 16;
   const uint32_t exponent = (half >> 10) & 0x1fu;
   uint32_t mantissa = half & 0x3ffu;
@@ -66,7 +68,7 @@ inline float HalfToFloat(uint16_t half) {
 }
 
 // IEEE binary32 -> binary16 with round to nearest even, overflow to infinity.
-inline uint16_t FloatToHalf(float value) {
+static inline uint16_t FloatToHalf(float value) {
   const uint32_t bits = FloatToBits(value);
   const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
   const uint32_t abs_bits = bits & 0x7fffffffu;
@@ -92,7 +94,7 @@ inline uint16_t FloatToHalf(float value) {
 }
 
 template <typename T>
-inline float LoadAsFloat(const T* ptr);
+static inline float LoadAsFloat(const T* ptr);
 template <>
 inline float LoadAsFloat<float>(const float* ptr) { return *ptr; }
 
@@ -107,14 +109,14 @@ inline float LoadAsFloat<Float16Bits>(const Float16Bits* ptr) { return HalfToFlo
 template <>
 inline float LoadAsFloat<double>(const double* ptr) { return static_cast<float>(*ptr); }
 
-inline void StoreFromFloat(float* ptr, float value) { *ptr = value; }
-inline void StoreFromFloat(double* ptr, float value) { *ptr = value; }
-inline void StoreFromFloat(BFloat16Bits* ptr, float value) { ptr->bits = FloatToBFloat16(value); }
-inline void StoreFromFloat(Float16Bits* ptr, float value) { ptr->bits = FloatToHalf(value); }
+static inline void StoreFromFloat(float* ptr, float value) { *ptr = value; }
+static inline void StoreFromFloat(double* ptr, float value) { *ptr = value; }
+static inline void StoreFromFloat(BFloat16Bits* ptr, float value) { ptr->bits = FloatToBFloat16(value); }
+static inline void StoreFromFloat(Float16Bits* ptr, float value) { ptr->bits = FloatToHalf(value); }
 
 // Calls fn(T{}) with T the storage type of `dtype`: float, BFloat16Bits, Float16Bits or double.
 template <typename Fn>
-inline auto DispatchDType(DType dtype, Fn&& fn) {
+static inline auto DispatchDType(DType dtype, Fn&& fn) {
   switch (dtype) {
     case DType::kBFloat16: return fn(BFloat16Bits{});
     case DType::kFloat16: return fn(Float16Bits{});

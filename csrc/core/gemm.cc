@@ -74,6 +74,8 @@ void MicroInPlace(const GemmKernels& kernels, const ConstMatrix& b, int64_t dept
       kernels.micro_f16(depth, a, static_cast<const uint16_t*>(b.data) + offset, b.row_stride, c,
                         ldc, accumulate);
       return;
+    case DType::kFloat64:  // never here: GemmRegion sends float64 to GemmRegionFloat64
+      return;
   }
 }
 
@@ -168,6 +170,7 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
 void ReferenceGemm(const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c) {
   auto load = [](const ConstMatrix& m, int64_t i, int64_t j) -> double {
     const int64_t offset = i * m.row_stride + j * m.col_stride;
+    if (m.dtype == DType::kFloat64) return static_cast<const double*>(m.data)[offset];  // exact
     return DispatchDType(m.dtype, [&](auto tag) -> double {
       using T = decltype(tag);
       return LoadAsFloat(static_cast<const T*>(m.data) + offset);
@@ -177,10 +180,14 @@ void ReferenceGemm(const ConstMatrix& a, const ConstMatrix& b, const MutableMatr
     for (int64_t j = 0; j < c.cols; ++j) {
       double sum = 0.0;
       for (int64_t p = 0; p < a.cols; ++p) sum += load(a, i, p) * load(b, p, j);
+      const int64_t offset = i * c.row_stride + j * c.col_stride;
+      if (c.dtype == DType::kFloat64) {
+        static_cast<double*>(c.data)[offset] = sum;
+        continue;
+      }
       DispatchDType(c.dtype, [&](auto tag) {
         using T = decltype(tag);
-        StoreFromFloat(static_cast<T*>(c.data) + i * c.row_stride + j * c.col_stride,
-                       static_cast<float>(sum));
+        StoreFromFloat(static_cast<T*>(c.data) + offset, static_cast<float>(sum));
         return 0;
       });
     }

@@ -168,6 +168,8 @@ def autotune(op, *args, products=None, warmup: int = 1, reps: int = 5, budget_s:
     op = _family_op(op)
     if not op.tunable:
         raise ValueError(f"autotuning: {op!r} has no configs to tune")
+    if reps < 1 or warmup < 0:
+        raise ValueError(f"autotuning: reps must be >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
     products = list(products or op.products)
     for p in products:
         if p not in op.products:

@@ -25,6 +25,7 @@ import json
 import os
 import pathlib
 import tempfile
+import time
 import warnings
 from typing import Optional
 
@@ -39,9 +40,9 @@ def canonical_key(key: dict) -> str:
 
 
 def _warn_once(path: pathlib.Path, reason: str) -> None:
-    if str(path) in _warned:
+    if (str(path), reason) in _warned:
         return
-    _warned.add(str(path))
+    _warned.add((str(path), reason))
     warnings.warn(f"tokamax_torch: ignoring autotuning cache file {path}: {reason}; "
                   "falling back to heuristic configs", RuntimeWarning, stacklevel=3)
 
@@ -68,8 +69,8 @@ def parse_file(text: str, op: str, device_kind: str, config_cls) -> dict:
     config_cls instances. Raises CacheFileError saying what is wrong."""
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CacheFileError(f"not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, huge ints, deep nesting
+        raise CacheFileError(f"not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     _check(isinstance(data, dict), "the top level must be an object")
     _check(data.get("format") == FORMAT, f"format must be {FORMAT!r}, got {data.get('format')!r}")
     _check(data.get("op") == op, f"op must be {op!r}, got {data.get('op')!r}")
@@ -83,8 +84,8 @@ def parse_file(text: str, op: str, device_kind: str, config_cls) -> dict:
         _check(isinstance(entry, dict), f"entry {key!r} must be an object")
         try:
             key_obj = json.loads(key)
-        except json.JSONDecodeError:
-            raise CacheFileError(f"key {key!r} is not a JSON argument spec") from None
+        except (ValueError, RecursionError):
+            raise CacheFileError(f"key {key[:200]!r} is not a JSON argument spec") from None
         _check(isinstance(key_obj, dict), f"key {key!r} must encode an object")
         results = entry.get("results")
         _check(isinstance(results, list) and results, f"entry {key!r}: results must be a non-empty list")
@@ -122,6 +123,16 @@ def _serialise(entries: dict, op: str, device_kind: str) -> str:
     return json.dumps({"format": FORMAT, "op": op, "device_kind": device_kind, "entries": out}, indent=1) + "\n"
 
 
+def _file_mode(path: pathlib.Path) -> int:
+    """The existing file's permissions, else 0644 less the umask (mkstemp makes 0600)."""
+    try:
+        return path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 class ConfigCache:
     """The overlay of the shipped and the user cache for one op on one device kind."""
 
@@ -136,16 +147,21 @@ class ConfigCache:
         self.user_path = user_root / device_kind / f"{op}.json"
         self.shipped_path = pathlib.Path(shipped_root) / device_kind / f"{op}.json"
 
-    def _load(self, path: pathlib.Path) -> dict:
+    def _read(self, path: pathlib.Path) -> dict:
+        """Entries of `path`; {} when it does not exist. Raises CacheFileError when it is bad."""
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             return {}
+        except UnicodeDecodeError:
+            raise CacheFileError("not UTF-8 text") from None
         except OSError as exc:
-            _warn_once(path, f"cannot be read ({exc.strerror or exc})")
-            return {}
+            raise CacheFileError(f"cannot be read ({exc.strerror or exc})") from None
+        return parse_file(text, self.op, self.device_kind, self.config_cls)
+
+    def _load(self, path: pathlib.Path) -> dict:
         try:
-            return parse_file(text, self.op, self.device_kind, self.config_cls)
+            return self._read(path)
         except CacheFileError as exc:
             _warn_once(path, str(exc))
             return {}
@@ -170,7 +186,16 @@ class ConfigCache:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path.with_name(path.name + ".lock"), "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                current = self._load(path)
+                try:
+                    current = self._read(path)
+                except CacheFileError as exc:
+                    # Never merge into (and so erase) a file we cannot parse, e.g. one written
+                    # by a newer version: keep it beside the new one.
+                    kept = path.with_name(f"{path.name}.bad-{int(time.time())}")
+                    os.replace(path, kept)
+                    warnings.warn(f"tokamax_torch: autotuning cache file {path} is invalid ({exc}); "
+                                  f"moved it to {kept} and starting a new one", RuntimeWarning, stacklevel=2)
+                    current = {}
                 for key, entry in new_entries.items():
                     old = current.get(key, {"results": []})
                     by_config = {r["config"]: r for r in old["results"]}
@@ -179,7 +204,8 @@ class ConfigCache:
                 fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
                 with contextlib.ExitStack() as stack:
                     stack.callback(lambda: os.path.exists(tmp) and os.unlink(tmp))
-                    with os.fdopen(fd, "w") as f:
+                    os.chmod(tmp, _file_mode(path))
+                    with os.fdopen(fd, "w", encoding="utf-8") as f:
                         f.write(_serialise(current, self.op, self.device_kind))
                         f.flush()
                         os.fsync(f.fileno())

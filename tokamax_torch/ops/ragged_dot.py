@@ -281,15 +281,16 @@ class _RaggedDot:
 
 def _config_op_args(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type):
     """The leading arguments of the _ragged_dot_heuristic_config / _config_space ops."""
-    return (lhs, rhs, _group_sizes_tensor(group_sizes), _flat_dimension_numbers(dimension_numbers),
+    return (lhs, rhs, _group_sizes_tensor(group_sizes, lhs.device), _flat_dimension_numbers(dimension_numbers),
             _dtype(preferred_element_type))
 
 
-def _group_sizes_tensor(group_sizes):
-    """Representative group sizes may be given as a Python sequence of ints."""
+def _group_sizes_tensor(group_sizes, device=None):
+    """Representative group sizes may be given as a Python sequence of ints (placed on `device`,
+    e.g. meta when the other arguments are meta tensors)."""
     if isinstance(group_sizes, torch.Tensor):
         return group_sizes
-    return torch.tensor([int(v) for v in group_sizes], dtype=torch.int32)
+    return torch.tensor([int(v) for v in group_sizes], dtype=torch.int32, device=device)
 
 
 reference = _RaggedDot("reference", torch.ops.tokamax.ragged_dot_reference.default)

@@ -18,7 +18,9 @@ constexpr int64_t kMaxBlockK = 8192;
 constexpr int64_t kMaxBlockN = 8192;
 constexpr int64_t kMaxTaskM = 65536;
 constexpr int64_t kMaxPackBMinRows = int64_t{1} << 30;
-constexpr int64_t kMaxAccumulatorBytes = int64_t{512} << 20;
+// Per-thread scratch the kernel keeps (grow-only, thread-local): the fp32 accumulator of a task,
+// one packed B slice and one packed A block, each at most 64 MiB.
+constexpr int64_t kMaxScratchBytes = int64_t{64} << 20;
 // Enough tasks for load balance on a few cores, while each task stays big enough to amortise
 // packing its B block.
 constexpr int64_t kTargetTasks = 16;
@@ -91,8 +93,11 @@ Status RaggedDotConfig::Validate() const {
   if (pack_b_min_rows < 0 || pack_b_min_rows > kMaxPackBMinRows) {
     return FieldError("pack_b_min_rows", "in [0, 2^30]", pack_b_min_rows);
   }
-  if (task_m * block_n * 4 > kMaxAccumulatorBytes) {
-    return FieldError("task_m * block_n * 4", "at most 512 MiB of accumulator", task_m * block_n * 4);
+  if (task_m * block_n * 4 > kMaxScratchBytes) {
+    return FieldError("task_m * block_n * 4", "at most 64 MiB (accumulator)", task_m * block_n * 4);
+  }
+  if (block_k * block_n * 4 > kMaxScratchBytes) {
+    return FieldError("block_k * block_n * 4", "at most 64 MiB (packed B)", block_k * block_n * 4);
   }
   return Status::Ok();
 }
