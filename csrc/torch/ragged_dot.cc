@@ -41,16 +41,6 @@ bool IsSupportedFloat(at::ScalarType type) {
   return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf || type == at::kDouble;
 }
 
-// What the check derives from valid arguments: the form and the output's shape and dtype.
-struct RaggedDotSignature {
-  RaggedDotForm form;
-  std::vector<c10::SymInt> out_shape;
-  at::ScalarType out_dtype;
-};
-
-// The one argument check, shared by the kernel, the reference and their meta kernels, so eager
-// and compiled code raise the same errors; the reference validates configs it does not use. Only metadata is read; group size values are checked
-// by the kernels before any compute.
 // Configs as the kernel uses them: the forward one, and one per gradient product. bwd_config
 // holds 5 values (one config for both products) or 10 (lhs gradient, then rhs gradient).
 struct RaggedDotConfigs {
@@ -59,6 +49,17 @@ struct RaggedDotConfigs {
   std::optional<RaggedDotConfig> drhs;
 };
 
+// What the check derives from valid arguments: the form and the output's shape and dtype.
+struct RaggedDotSignature {
+  RaggedDotForm form;
+  std::vector<c10::SymInt> out_shape;
+  at::ScalarType out_dtype;
+  RaggedDotConfigs configs;  // parsed and validated
+};
+
+// The one argument check, shared by the kernel, the reference and their meta kernels, so eager
+// and compiled code raise the same errors; the reference validates configs it does not use. Only metadata is read; group size values are checked
+// by the kernels before any compute.
 RaggedDotConfig ParseConfig(const std::vector<int64_t>& values, const char* name) {
   RaggedDotConfig parsed;
   const Status status = RaggedDotConfig::FromVector(values, &parsed);
@@ -87,8 +88,9 @@ RaggedDotSignature CheckRaggedDotArgs(const Tensor& lhs, const Tensor& rhs, cons
                                       std::optional<at::ScalarType> preferred_element_type,
                                       at::OptionalIntArrayRef config = std::nullopt,
                                       at::OptionalIntArrayRef bwd_config = std::nullopt) {
-  ParseConfigs(config, bwd_config);  // invalid configs fail here, in eager and compiled code alike
   RaggedDotSignature sig;
+  sig.configs = ParseConfigs(config, bwd_config);  // invalid configs fail here, eager and compiled
+
   sig.form = RaggedDotForm::kDefault;
   if (dimension_numbers.has_value()) {
     const Status status = ParseRaggedDotDimensionNumbers(dimension_numbers->vec(), &sig.form);
@@ -177,9 +179,9 @@ RaggedDotShape ShapeOf(const Tensor& lhs, const Tensor& group_sizes, const Ragge
   return shape;
 }
 
-RaggedDotConfig ResolveConfig(at::OptionalIntArrayRef config, const RaggedDotShape& shape, at::ScalarType dtype) {
-  if (!config.has_value()) return RaggedDotHeuristicConfig(shape, ToCoreDType(dtype), GetCpuInfo());
-  return ParseConfig(config->vec(), "config");
+RaggedDotConfig ResolveConfig(const std::optional<RaggedDotConfig>& config, const RaggedDotShape& shape,
+                              at::ScalarType dtype) {
+  return config.has_value() ? *config : RaggedDotHeuristicConfig(shape, ToCoreDType(dtype), GetCpuInfo());
 }
 
 Tensor3View ViewOf(const Tensor& t) {
@@ -201,7 +203,7 @@ Tensor RaggedDotCpu(const Tensor& lhs, const Tensor& rhs, const Tensor& group_si
   const RaggedDotSignature sig =
       CheckRaggedDotArgs(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type, config, bwd_config);
   const RaggedDotShape shape = ShapeOf(lhs, group_sizes, sig);
-  const RaggedDotConfig resolved = ResolveConfig(config, shape, lhs.scalar_type());
+  const RaggedDotConfig resolved = ResolveConfig(sig.configs.forward, shape, lhs.scalar_type());
   const std::vector<int64_t> sizes = GroupSizesToVector(group_sizes);
   const Status sizes_status = CheckRaggedDotGroupSizes(sizes.data(), shape.g, shape.m);
   TORCH_CHECK(sizes_status.ok(), sizes_status.message());
@@ -302,7 +304,10 @@ class RaggedDotFunction : public torch::autograd::Function<RaggedDotFunction> {
         CheckRaggedDotArgs(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type, config, bwd_config);
     ctx->saved_data["form"] = static_cast<int64_t>(sig.form);
     ctx->saved_data["reference"] = reference;
-    ctx->saved_data["bwd_config"] = bwd_config.has_value() ? bwd_config->vec() : std::vector<int64_t>{};
+    // Empty: that product uses the heuristic for its own shape (what get_configs returns).
+    auto values = [](const std::optional<RaggedDotConfig>& c) { return c ? c->ToVector() : std::vector<int64_t>{}; };
+    ctx->saved_data["dlhs_config"] = values(sig.configs.dlhs);
+    ctx->saved_data["drhs_config"] = values(sig.configs.drhs);
     ctx->save_for_backward({lhs, rhs, group_sizes});
     at::AutoDispatchBelowADInplaceOrView guard;
     return RaggedDotOp(reference).call(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type, config,
@@ -316,12 +321,8 @@ class RaggedDotFunction : public torch::autograd::Function<RaggedDotFunction> {
     const Tensor& group_sizes = saved[2];
     const auto form = static_cast<RaggedDotForm>(ctx->saved_data["form"].toInt());
     const bool reference = ctx->saved_data["reference"].toBool();
-    const std::vector<int64_t> bwd = ctx->saved_data["bwd_config"].toIntVector();
-    // Empty: each product uses the heuristic for its own shape (what get_configs returns).
-    const size_t fields = RaggedDotConfig::kNumFields;
-    const std::vector<int64_t> dlhs_config(bwd.begin(), bwd.begin() + std::min(bwd.size(), fields));
-    const std::vector<int64_t> drhs_config =
-        bwd.size() == 2 * fields ? std::vector<int64_t>(bwd.begin() + fields, bwd.end()) : dlhs_config;
+    const std::vector<int64_t> dlhs_config = ctx->saved_data["dlhs_config"].toIntVector();
+    const std::vector<int64_t> drhs_config = ctx->saved_data["drhs_config"].toIntVector();
     // The cotangent is taken in the inputs' dtype (e.g. an fp32 cotangent of a bf16 product
     // with preferred_element_type=float32 is rounded to bf16), as in mixed-precision training.
     const Tensor dout = grad_outputs[0].to(lhs.scalar_type());
