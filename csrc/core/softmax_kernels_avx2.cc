@@ -1,0 +1,50 @@
+// The avx2 tier of SoftmaxKernels: 8 lanes, a Cephes-style polynomial exp.
+#include <immintrin.h>
+
+#include "csrc/core/softmax_kernels.h"
+
+namespace tokamax {
+namespace softmax_avx2 {
+
+using Vec = __m256;
+constexpr int64_t kLanes = 8;
+inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
+inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec Set1(float v) { return _mm256_set1_ps(v); }
+inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec Sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec Max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+
+// exp(x) = 2^n · e^r with n = round(x·log2 e) and |r| <= ln2/2; e^r by a degree-6 polynomial
+// (relative error ~2 ulp). Inputs below kExpFlushBelow (including -inf) give exactly 0.
+inline Vec Exp(Vec x) {
+  const __m256 flush = _mm256_cmp_ps(x, _mm256_set1_ps(kExpFlushBelow), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpFlushBelow)), _mm256_set1_ps(88.3762626647949f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+  return _mm256_andnot_ps(flush, y);
+}
+
+#include "csrc/core/softmax_kernels.inc"
+
+}  // namespace softmax_avx2
+
+const SoftmaxKernels& SoftmaxKernelsAvx2() {
+  using namespace softmax_avx2;
+  static const SoftmaxKernels kernels = {&ColumnMax, &ExpColumns, &SoftmaxGradColumns};
+  return kernels;
+}
+
+}  // namespace tokamax

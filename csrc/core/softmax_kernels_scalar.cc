@@ -1,0 +1,31 @@
+// The scalar tier of SoftmaxKernels: one float per "vector", std::exp.
+#include <algorithm>
+#include <cmath>
+
+#include "csrc/core/softmax_kernels.h"
+
+namespace tokamax {
+namespace softmax_scalar {
+
+using Vec = float;
+constexpr int64_t kLanes = 1;
+inline Vec Load(const float* p) { return *p; }
+inline void Store(float* p, Vec v) { *p = v; }
+inline Vec Set1(float v) { return v; }
+inline Vec Add(Vec a, Vec b) { return a + b; }
+inline Vec Sub(Vec a, Vec b) { return a - b; }
+inline Vec Mul(Vec a, Vec b) { return a * b; }
+inline Vec Max(Vec a, Vec b) { return std::max(a, b); }
+inline Vec Exp(Vec x) { return x < kExpFlushBelow ? 0.0f : std::exp(x); }
+
+#include "csrc/core/softmax_kernels.inc"
+
+}  // namespace softmax_scalar
+
+const SoftmaxKernels& SoftmaxKernelsScalar() {
+  using namespace softmax_scalar;
+  static const SoftmaxKernels kernels = {&ColumnMax, &ExpColumns, &SoftmaxGradColumns};
+  return kernels;
+}
+
+}  // namespace tokamax

@@ -1,0 +1,87 @@
+// Visibility of (b, n, t, s) pairs, shared by the kernels and the float64 reference so both
+// apply exactly the same masks. Internal to dot_product_attention.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "csrc/ops/dot_product_attention/dot_product_attention.h"
+
+namespace tokamax {
+namespace attention {
+
+// Keys [begin, end) allowed by the causal, window and length masks for query t of batch b;
+// empty (begin >= end) when the query itself is past its sequence length.
+struct KeyRange {
+  int64_t begin;
+  int64_t end;
+};
+
+inline KeyRange VisibleKeys(const AttentionMasks& m, int64_t b, int64_t t, int64_t kv_len) {
+  if (m.q_lengths != nullptr && t >= m.q_lengths[b]) return {0, 0};
+  int64_t end = m.kv_lengths != nullptr ? std::min(kv_len, m.kv_lengths[b]) : kv_len;
+  if (m.is_causal) end = std::min(end, t + 1);
+  if (m.window_right < AttentionMasks::kUnbounded) end = std::min(end, t + m.window_right + 1);
+  int64_t begin = 0;
+  if (m.window_left < AttentionMasks::kUnbounded) begin = std::max<int64_t>(0, t - m.window_left);
+  return {begin, std::max(begin, end)};
+}
+
+// The masks that are not ranges: segment ids and the boolean mask tensor.
+inline bool HasElementMasks(const AttentionMasks& m) {
+  return m.q_segment_ids != nullptr || m.mask != nullptr;
+}
+
+inline int32_t QuerySegment(const AttentionMasks& m, int64_t b, int64_t t) {
+  return m.q_segment_ids[b * m.q_segment_strides[0] + t * m.q_segment_strides[1]];
+}
+
+inline int32_t KeySegment(const AttentionMasks& m, int64_t b, int64_t s) {
+  return m.kv_segment_ids[b * m.kv_segment_strides[0] + s * m.kv_segment_strides[1]];
+}
+
+inline bool ElementVisible(const AttentionMasks& m, int64_t b, int64_t n, int64_t t, int64_t s) {
+  if (m.q_segment_ids != nullptr && QuerySegment(m, b, t) != KeySegment(m, b, s)) return false;
+  if (m.mask != nullptr) {
+    const int64_t* st = m.mask_strides;
+    return m.mask[b * st[0] + n * st[1] + t * st[2] + s * st[3]] != 0;
+  }
+  return true;
+}
+
+inline bool Visible(const AttentionMasks& m, int64_t b, int64_t n, int64_t t, int64_t s, int64_t kv_len) {
+  const KeyRange range = VisibleKeys(m, b, t, kv_len);
+  return s >= range.begin && s < range.end && ElementVisible(m, b, n, t, s);
+}
+
+// Element (i0, i1, i2, i3) of a 4-D view as float; any storage dtype.
+inline float LoadElement(const Tensor4View& view, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+  const int64_t offset = i0 * view.strides[0] + i1 * view.strides[1] + i2 * view.strides[2] + i3 * view.strides[3];
+  return DispatchDType(view.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    return LoadAsFloat(static_cast<const T*>(view.data) + offset);
+  });
+}
+
+inline double LoadElementDouble(const Tensor4View& view, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+  if (view.dtype != DType::kFloat64) return LoadElement(view, i0, i1, i2, i3);
+  const int64_t offset = i0 * view.strides[0] + i1 * view.strides[1] + i2 * view.strides[2] + i3 * view.strides[3];
+  return static_cast<const double*>(view.data)[offset];
+}
+
+inline void StoreElementDouble(const MutableTensor4View& view, int64_t i0, int64_t i1, int64_t i2, int64_t i3,
+                               double value) {
+  const int64_t offset = i0 * view.strides[0] + i1 * view.strides[1] + i2 * view.strides[2] + i3 * view.strides[3];
+  if (view.dtype == DType::kFloat64) {
+    static_cast<double*>(view.data)[offset] = value;
+    return;
+  }
+  DispatchDType(view.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    StoreFromFloat(static_cast<T*>(view.data) + offset, static_cast<float>(value));
+    return 0;
+  });
+}
+
+}  // namespace attention
+}  // namespace tokamax

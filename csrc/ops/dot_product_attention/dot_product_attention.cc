@@ -1,0 +1,590 @@
+// The dot_product_attention CPU kernels: flash attention forward (online softmax over kv tiles)
+// and FlashAttention-2 backward (probabilities recomputed from the saved logsumexp).
+//
+// A task owns one kv head of one batch and a block of query positions; its tile rows are the
+// (position, query head) pairs of that block for all N/K query heads that share the kv head, so
+// each K/V tile is packed once per group (GQA without repeating K/V). Logits are kept
+// transposed, st[key][row]: the GEMM st = K · (scale·Q)ᵀ takes K as its packed A operand (the
+// natural layout of a [S, H] view) and Q, packed once per task, as B; per-row softmax
+// reductions then run down columns. Tiles that every causal/window/length/segment mask hides
+// are skipped before any compute.
+#include "csrc/ops/dot_product_attention/dot_product_attention.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "csrc/core/gemm.h"
+#include "csrc/core/isa.h"
+#include "csrc/core/parallel.h"
+#include "csrc/core/softmax_kernels.h"
+#include "csrc/ops/dot_product_attention/attention_masks.h"
+
+namespace tokamax {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
+
+struct Dims {
+  int64_t batch, q_len, kv_len, q_heads, kv_heads, group, head_dim, value_dim;
+};
+
+Dims DimsOf(const DotProductAttentionParams& p) {
+  Dims d;
+  d.batch = p.q.sizes[0];
+  d.q_len = p.q.sizes[1];
+  d.kv_len = p.k.sizes[1];
+  d.q_heads = p.q.sizes[2];
+  d.kv_heads = p.k.sizes[2];
+  d.group = d.kv_heads > 0 ? d.q_heads / d.kv_heads : 0;
+  d.head_dim = p.q.sizes[3];
+  d.value_dim = p.v.sizes[3];
+  return d;
+}
+
+const void* ElementAddress(const Tensor4View& view, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+  const int64_t offset = i0 * view.strides[0] + i1 * view.strides[1] + i2 * view.strides[2] + i3 * view.strides[3];
+  return static_cast<const char*>(view.data) + offset * DTypeSize(view.dtype);
+}
+
+// Grow-only per-thread scratch; resized, never shrunk, so steady-state calls do not allocate.
+float* Scratch(std::vector<float>& buffer, int64_t floats) {
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
+// The rows of a task: (position t, query head n) for t in [t0, t0 + positions), n in the group.
+struct TaskRows {
+  int64_t b = 0, kv_head = 0, t0 = 0, positions = 0, group = 0;
+  int64_t count() const { return positions * group; }
+  int64_t t(int64_t r) const { return t0 + r / group; }
+  int64_t n(int64_t r) const { return kv_head * group + r % group; }
+};
+
+// dst[panel][h][j] = scale · X[row(panel·nr + j)][h]: rows of X as the B operand Xᵀ (depth =
+// cols), zero-padded to whole nr-wide panels. X is q or dout, rows gathered per TaskRows.
+void PackRowsTransposed(const Tensor4View& x, const TaskRows& rows, int64_t cols, float scale, int64_t nr,
+                        float* dst) {
+  const int64_t count = rows.count();
+  const int64_t padded = RoundUp(count, nr);
+  DispatchDType(x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t r = 0; r < padded; ++r) {
+      float* out = dst + (r / nr) * cols * nr + r % nr;
+      if (r >= count) {
+        for (int64_t h = 0; h < cols; ++h) out[h * nr] = 0.0f;
+        continue;
+      }
+      const T* src = static_cast<const T*>(ElementAddress(x, rows.b, rows.t(r), rows.n(r), 0));
+      const int64_t step = x.strides[3];
+      for (int64_t h = 0; h < cols; ++h) out[h * nr] = scale * LoadAsFloat(src + h * step);
+    }
+    return 0;
+  });
+}
+
+// dst[panel][r][j] = scale · X[row r][panel·nr + j]: the same rows as the B operand X itself
+// (depth = rows), columns zero-padded to whole panels.
+void PackRows(const Tensor4View& x, const TaskRows& rows, int64_t cols, float scale, int64_t nr, float* dst) {
+  const int64_t count = rows.count();
+  const int64_t panels = CeilDiv(cols, nr);
+  DispatchDType(x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t r = 0; r < count; ++r) {
+      const T* src = static_cast<const T*>(ElementAddress(x, rows.b, rows.t(r), rows.n(r), 0));
+      const int64_t step = x.strides[3];
+      for (int64_t q = 0; q < panels; ++q) {
+        float* out = dst + (q * count + r) * nr;
+        for (int64_t j = 0; j < nr; ++j) {
+          const int64_t c = q * nr + j;
+          out[j] = c < cols ? scale * LoadAsFloat(src + c * step) : 0.0f;
+        }
+      }
+    }
+    return 0;
+  });
+}
+
+// The [S, C] matrix of kv head `kv_head` of batch b (key or value) as a GEMM operand.
+ConstMatrix KvMatrix(const Tensor4View& x, int64_t b, int64_t kv_head, int64_t s0, int64_t rows) {
+  return {ElementAddress(x, b, s0, kv_head, 0), x.dtype, rows, x.sizes[3], x.strides[1], x.strides[3]};
+}
+
+// c (+)= a_panels · b_panels over whole tiles: `row_panels` mr-row panels of packed A (depth
+// `depth`) times `col_panels` nr-wide panels of packed B.
+void TileGemm(const GemmKernels& kernels, int64_t depth, const float* a, int64_t row_panels, const float* b,
+              int64_t col_panels, float* c, int64_t ldc, bool accumulate) {
+  const int64_t mr = kernels.mr, nr = kernels.nr;
+  for (int64_t pi = 0; pi < row_panels; ++pi) {
+    for (int64_t qi = 0; qi < col_panels; ++qi) {
+      kernels.micro_f32(depth, a + pi * mr * depth, b + qi * depth * nr, nr, c + pi * mr * ldc + qi * nr, ldc,
+                        accumulate);
+    }
+  }
+}
+
+// What a task's rows can see of kv tile [s0, s1).
+enum class TileVisibility { kNone, kPartial, kFull };
+
+struct RowMasks {
+  std::vector<attention::KeyRange> ranges;  // per row
+  int32_t min_segment = 0, max_segment = 0;  // of the task's query positions (when segmented)
+};
+
+void ComputeRowMasks(const AttentionMasks& m, const TaskRows& rows, int64_t kv_len, RowMasks* out) {
+  out->ranges.resize(rows.count());
+  for (int64_t r = 0; r < rows.count(); ++r) out->ranges[r] = attention::VisibleKeys(m, rows.b, rows.t(r), kv_len);
+  if (m.q_segment_ids != nullptr) {
+    out->min_segment = std::numeric_limits<int32_t>::max();
+    out->max_segment = std::numeric_limits<int32_t>::min();
+    for (int64_t t = rows.t0; t < rows.t0 + rows.positions; ++t) {
+      const int32_t id = attention::QuerySegment(m, rows.b, t);
+      out->min_segment = std::min(out->min_segment, id);
+      out->max_segment = std::max(out->max_segment, id);
+    }
+  }
+}
+
+TileVisibility ClassifyTile(const AttentionMasks& m, const RowMasks& rm, int64_t b, int64_t s0, int64_t s1) {
+  bool any = false, all = true;
+  for (const attention::KeyRange& range : rm.ranges) {
+    const int64_t begin = std::max(range.begin, s0), end = std::min(range.end, s1);
+    if (begin < end) any = true;
+    if (begin > s0 || end < s1) all = false;
+  }
+  if (!any) return TileVisibility::kNone;
+  if (m.q_segment_ids != nullptr) {
+    int32_t lo = std::numeric_limits<int32_t>::max(), hi = std::numeric_limits<int32_t>::min();
+    for (int64_t s = s0; s < s1; ++s) {
+      const int32_t id = attention::KeySegment(m, b, s);
+      lo = std::min(lo, id);
+      hi = std::max(hi, id);
+    }
+    if (hi < rm.min_segment || lo > rm.max_segment) return TileVisibility::kNone;
+  }
+  return all && !attention::HasElementMasks(m) ? TileVisibility::kFull : TileVisibility::kPartial;
+}
+
+// Turns st[key][row] = scale·q·k of tile [s0, s0 + keys) into final logits: + bias, soft cap,
+// then -inf where masked. When `tanh_out` is set it receives tanh(logit / cap) (backward).
+void FinishLogits(const DotProductAttentionParams& p, const TaskRows& rows, const RowMasks& rm, int64_t s0,
+                  int64_t keys, TileVisibility visibility, float* st, int64_t ld, float* tanh_out) {
+  const int64_t count = rows.count();
+  if (p.bias.data != nullptr) {
+    for (int64_t r = 0; r < count; ++r) {
+      for (int64_t j = 0; j < keys; ++j) {
+        st[j * ld + r] += attention::LoadElement(p.bias, rows.b, rows.n(r), rows.t(r), s0 + j);
+      }
+    }
+  }
+  if (p.logits_soft_cap > 0.0f) {
+    const float cap = p.logits_soft_cap, inv_cap = 1.0f / p.logits_soft_cap;
+    for (int64_t j = 0; j < keys; ++j) {
+      for (int64_t r = 0; r < count; ++r) {
+        const float th = std::tanh(st[j * ld + r] * inv_cap);
+        if (tanh_out != nullptr) tanh_out[j * ld + r] = th;
+        st[j * ld + r] = cap * th;
+      }
+    }
+  }
+  if (visibility == TileVisibility::kFull) return;
+  const bool element_masks = attention::HasElementMasks(p.masks);
+  for (int64_t r = 0; r < count; ++r) {
+    const attention::KeyRange& range = rm.ranges[r];
+    const int64_t t = rows.t(r), n = rows.n(r);
+    for (int64_t j = 0; j < keys; ++j) {
+      const int64_t s = s0 + j;
+      const bool visible = s >= range.begin && s < range.end &&
+                           (!element_masks || attention::ElementVisible(p.masks, rows.b, n, t, s));
+      if (!visible) st[j * ld + r] = kNegInf;
+    }
+  }
+}
+
+struct Kernels {
+  const GemmKernels* gemm;
+  const SoftmaxKernels* softmax;
+};
+
+Status GetKernels(Kernels* kernels) {
+  Isa isa;
+  const Status status = ActiveIsa(&isa);
+  if (!status.ok()) return status;
+  kernels->gemm = &GetGemmKernels(isa);
+  kernels->softmax = &GetSoftmaxKernels(isa);
+  return Status::Ok();
+}
+
+// ---- forward -------------------------------------------------------------------------------
+
+// Where a task's unnormalised result goes when the kv sequence is split: per split, row-major
+// [B, N, T] rows of value_dim floats, and the running max and sum of each row.
+struct SplitPartials {
+  std::vector<float> out, max, sum;
+  int64_t Row(const Dims& d, int64_t split, int64_t b, int64_t n, int64_t t) const {
+    return ((split * d.batch + b) * d.q_heads + n) * d.q_len + t;
+  }
+};
+
+struct ForwardScratch {
+  std::vector<float> q_panels, k_panels, st, p_panels, v_panels, acc, max, sum, sub, tile_max;
+  RowMasks row_masks;
+};
+
+void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, int64_t n, const float* acc, float sum,
+                    float max) {
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  DispatchDType(p.out.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    T* dst = static_cast<T*>(p.out.data) + b * p.out.strides[0] + t * p.out.strides[1] + n * p.out.strides[2];
+    for (int64_t e = 0; e < p.out.sizes[3]; ++e) StoreFromFloat(dst + e * p.out.strides[3], acc[e] * inv);
+    return 0;
+  });
+  if (p.lse != nullptr) {
+    p.lse[b * p.lse_strides[0] + n * p.lse_strides[1] + t * p.lse_strides[2]] =
+        sum > 0.0f ? max + std::log(sum) : kNegInf;
+  }
+}
+
+void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernels& k,
+                 const DotProductAttentionConfig& config, const TaskRows& rows, int64_t kv_begin, int64_t kv_end,
+                 int64_t split, SplitPartials* partials, ForwardScratch& s) {
+  const GemmKernels& gemm = *k.gemm;
+  const int64_t mr = gemm.mr, nr = gemm.nr;
+  const int64_t count = rows.count();
+  const int64_t cols = RoundUp(count, nr);       // st columns (query rows), panels of Q
+  const int64_t row_panels = CeilDiv(count, mr); // of P and the accumulator
+  const int64_t ld_acc = RoundUp(d.value_dim, nr);
+  const int64_t block = config.block_kv;
+
+  float* q_panels = Scratch(s.q_panels, cols * d.head_dim);
+  float* k_panels = Scratch(s.k_panels, RoundUp(block, mr) * d.head_dim);
+  float* st = Scratch(s.st, RoundUp(block, mr) * cols);
+  float* p_panels = Scratch(s.p_panels, row_panels * mr * block);
+  float* v_panels = Scratch(s.v_panels, block * ld_acc);
+  float* acc = Scratch(s.acc, row_panels * mr * ld_acc);
+  float* max = Scratch(s.max, cols);
+  float* sum = Scratch(s.sum, cols);
+  float* sub = Scratch(s.sub, cols);
+  float* tile_max = Scratch(s.tile_max, cols);
+  std::fill(acc, acc + row_panels * mr * ld_acc, 0.0f);
+  std::fill(max, max + cols, kNegInf);
+  std::fill(sum, sum + cols, 0.0f);
+
+  ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
+  PackRowsTransposed(p.q, rows, d.head_dim, p.scale, nr, q_panels);
+  for (int64_t s0 = kv_begin; s0 < kv_end; s0 += block) {
+    const int64_t keys = std::min(block, kv_end - s0);
+    const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, rows.b, s0, s0 + keys);
+    if (visibility == TileVisibility::kNone) continue;
+    // st = K_tile · (scale·Q)ᵀ, then the logits' epilogue and masks.
+    gemm.pack_a(KvMatrix(p.k, rows.b, rows.kv_head, s0, keys), 0, keys, 0, d.head_dim, k_panels);
+    TileGemm(gemm, d.head_dim, k_panels, CeilDiv(keys, mr), q_panels, cols / nr, st, cols, false);
+    FinishLogits(p, rows, s.row_masks, s0, keys, visibility, st, cols, nullptr);
+    // Online softmax: new running max, rescale what was accumulated, exponentiate the tile.
+    std::fill(tile_max, tile_max + cols, kNegInf);
+    k.softmax->column_max(st, keys, cols, cols, tile_max);
+    for (int64_t r = 0; r < cols; ++r) {
+      const float new_max = std::max(max[r], tile_max[r]);
+      float alpha = 1.0f;
+      if (new_max != kNegInf && max[r] != kNegInf && new_max != max[r]) alpha = std::exp(max[r] - new_max);
+      sub[r] = new_max == kNegInf ? 0.0f : new_max;
+      max[r] = new_max;
+      if (alpha != 1.0f) {
+        sum[r] *= alpha;
+        if (r < count) {
+          float* row = acc + r * ld_acc;
+          for (int64_t e = 0; e < d.value_dim; ++e) row[e] *= alpha;
+        }
+      }
+    }
+    k.softmax->exp_columns(st, keys, cols, cols, sub, sum);
+    // acc += P · V_tile, with P = stᵀ read straight down its columns by the A packer.
+    const ConstMatrix probs{st, DType::kFloat32, count, keys, 1, cols};
+    gemm.pack_a(probs, 0, count, 0, keys, p_panels);
+    gemm.pack_b(KvMatrix(p.v, rows.b, rows.kv_head, s0, keys), 0, keys, 0, d.value_dim, v_panels);
+    TileGemm(gemm, keys, p_panels, row_panels, v_panels, ld_acc / nr, acc, ld_acc, true);
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t t = rows.t(r), n = rows.n(r);
+    if (partials == nullptr) {
+      StoreOutputRow(p, rows.b, t, n, acc + r * ld_acc, sum[r], max[r]);
+      continue;
+    }
+    const int64_t row = partials->Row(d, split, rows.b, n, t);
+    std::memcpy(partials->out.data() + row * d.value_dim, acc + r * ld_acc, d.value_dim * sizeof(float));
+    partials->max[row] = max[r];
+    partials->sum[row] = sum[r];
+  }
+}
+
+// Combines the splits of one output row in split order: out = sum_c e^(m_c - m) o_c / l.
+void MergeSplits(const DotProductAttentionParams& p, const Dims& d, const SplitPartials& partials, int64_t splits,
+                 int64_t b, int64_t n, int64_t t, std::vector<float>& merged) {
+  merged.assign(d.value_dim, 0.0f);
+  float max = kNegInf;
+  for (int64_t c = 0; c < splits; ++c) max = std::max(max, partials.max[partials.Row(d, c, b, n, t)]);
+  float sum = 0.0f;
+  if (max != kNegInf) {
+    for (int64_t c = 0; c < splits; ++c) {
+      const int64_t row = partials.Row(d, c, b, n, t);
+      if (partials.max[row] == kNegInf) continue;
+      const float weight = std::exp(partials.max[row] - max);
+      sum += weight * partials.sum[row];
+      const float* o = partials.out.data() + row * d.value_dim;
+      for (int64_t e = 0; e < d.value_dim; ++e) merged[e] += weight * o[e];
+    }
+  }
+  StoreOutputRow(p, b, t, n, merged.data(), sum, max);
+}
+
+void ZeroOutputs(const DotProductAttentionParams& p, const Dims& d) {
+  std::vector<float> zeros(d.value_dim, 0.0f);
+  for (int64_t b = 0; b < d.batch; ++b)
+    for (int64_t t = 0; t < d.q_len; ++t)
+      for (int64_t n = 0; n < d.q_heads; ++n) StoreOutputRow(p, b, t, n, zeros.data(), 0.0f, kNegInf);
+}
+
+// ---- backward ------------------------------------------------------------------------------
+
+struct BackwardScratch {
+  std::vector<float> q_panels, q_rows, do_panels, do_rows, k_panels, k_rows, v_panels, st, dpt, tanh, a_panels,
+      dq_acc, lse_sub, delta;
+  RowMasks row_masks;
+};
+
+// One chunk of query blocks of one (batch, kv head): dq of its rows is written directly, dk/dv
+// partial sums go to dk_acc/dv_acc ([S + mr rows] x ld, this chunk's own).
+void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const Kernels& k,
+                  const DotProductAttentionConfig& config, int64_t b, int64_t kv_head, int64_t qb_begin,
+                  int64_t qb_end, float* dk_acc, int64_t ld_dk, float* dv_acc, int64_t ld_dv, BackwardScratch& s) {
+  const DotProductAttentionParams& p = g.forward;
+  const GemmKernels& gemm = *k.gemm;
+  const int64_t mr = gemm.mr, nr = gemm.nr;
+  const int64_t block = config.block_kv;
+  const int64_t max_rows = config.block_q * d.group;
+  const int64_t max_cols = RoundUp(max_rows, nr);
+  const int64_t ld_dq = RoundUp(d.head_dim, nr);
+  const int64_t kv_rows = RoundUp(block, mr);
+
+  float* q_panels = Scratch(s.q_panels, max_cols * d.head_dim);
+  float* q_rows = Scratch(s.q_rows, max_rows * ld_dq);
+  float* do_panels = Scratch(s.do_panels, max_cols * d.value_dim);
+  float* do_rows = Scratch(s.do_rows, max_rows * ld_dv);
+  float* k_panels = Scratch(s.k_panels, kv_rows * d.head_dim);
+  float* k_rows = Scratch(s.k_rows, block * ld_dq);
+  float* v_panels = Scratch(s.v_panels, kv_rows * d.value_dim);
+  float* st = Scratch(s.st, kv_rows * max_cols);
+  float* dpt = Scratch(s.dpt, kv_rows * max_cols);
+  float* tanh_values = p.logits_soft_cap > 0.0f ? Scratch(s.tanh, kv_rows * max_cols) : nullptr;
+  float* a_panels = Scratch(s.a_panels, std::max(kv_rows * max_cols, RoundUp(max_rows, mr) * block));
+  float* dq_acc = Scratch(s.dq_acc, RoundUp(max_rows, mr) * ld_dq);
+  float* lse_sub = Scratch(s.lse_sub, max_cols);
+  float* delta = Scratch(s.delta, max_cols);
+
+  for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
+    TaskRows rows;
+    rows.b = b;
+    rows.kv_head = kv_head;
+    rows.group = d.group;
+    rows.t0 = qb * config.block_q;
+    rows.positions = std::min(config.block_q, d.q_len - rows.t0);
+    const int64_t count = rows.count();
+    const int64_t cols = RoundUp(count, nr);
+    const int64_t row_panels = CeilDiv(count, mr);
+    ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
+    // Per row: lse (0 for rows that see nothing: their logits are all -inf, so P = 0) and
+    // delta = rowsum(dO ∘ O) - dlse.
+    std::fill(lse_sub, lse_sub + cols, 0.0f);
+    std::fill(delta, delta + cols, 0.0f);
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t t = rows.t(r), n = rows.n(r);
+      const float lse = p.lse[b * p.lse_strides[0] + n * p.lse_strides[1] + t * p.lse_strides[2]];
+      lse_sub[r] = lse == kNegInf ? 0.0f : lse;
+      float dot = 0.0f;
+      for (int64_t e = 0; e < d.value_dim; ++e) {
+        dot += attention::LoadElement(g.dout, b, t, n, e) *
+               attention::LoadElement({p.out.data, p.out.dtype, {}, {p.out.strides[0], p.out.strides[1],
+                                                                     p.out.strides[2], p.out.strides[3]}},
+                                      b, t, n, e);
+      }
+      if (g.dlse != nullptr) dot -= g.dlse[b * g.dlse_strides[0] + n * g.dlse_strides[1] + t * g.dlse_strides[2]];
+      delta[r] = dot;
+    }
+    bool packed = false;
+    std::fill(dq_acc, dq_acc + row_panels * mr * ld_dq, 0.0f);
+    for (int64_t s0 = 0; s0 < d.kv_len; s0 += block) {
+      const int64_t keys = std::min(block, d.kv_len - s0);
+      const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, b, s0, s0 + keys);
+      if (visibility == TileVisibility::kNone) continue;
+      if (!packed) {  // the query block's operands, once per block and only if some tile is visible
+        PackRowsTransposed(p.q, rows, d.head_dim, p.scale, nr, q_panels);
+        PackRows(p.q, rows, d.head_dim, p.scale, nr, q_rows);
+        PackRowsTransposed(g.dout, rows, d.value_dim, 1.0f, nr, do_panels);
+        PackRows(g.dout, rows, d.value_dim, 1.0f, nr, do_rows);
+        packed = true;
+      }
+      const int64_t key_panels = CeilDiv(keys, mr);
+      // P = exp(logits - lse), recomputed.
+      gemm.pack_a(KvMatrix(p.k, b, kv_head, s0, keys), 0, keys, 0, d.head_dim, k_panels);
+      TileGemm(gemm, d.head_dim, k_panels, key_panels, q_panels, cols / nr, st, cols, false);
+      FinishLogits(p, rows, s.row_masks, s0, keys, visibility, st, cols, tanh_values);
+      k.softmax->exp_columns(st, keys, cols, cols, lse_sub, nullptr);
+      // dV_tile += P · dO.
+      gemm.pack_a({st, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
+      TileGemm(gemm, count, a_panels, key_panels, do_rows, ld_dv / nr, dv_acc + s0 * ld_dv, ld_dv, true);
+      // dPᵀ = V_tile · dOᵀ; dS = P ∘ (dP - delta), times the soft cap's derivative.
+      gemm.pack_a(KvMatrix(p.v, b, kv_head, s0, keys), 0, keys, 0, d.value_dim, v_panels);
+      TileGemm(gemm, d.value_dim, v_panels, key_panels, do_panels, cols / nr, dpt, cols, false);
+      k.softmax->softmax_grad_columns(st, dpt, keys, cols, cols, delta);
+      if (tanh_values != nullptr) {
+        for (int64_t j = 0; j < keys; ++j) {
+          for (int64_t r = 0; r < cols; ++r) dpt[j * cols + r] *= 1.0f - tanh_values[j * cols + r] * tanh_values[j * cols + r];
+        }
+      }
+      if (g.dbias != nullptr) {
+        for (int64_t r = 0; r < count; ++r) {
+          float* dst = g.dbias + ((b * d.q_heads + rows.n(r)) * d.q_len + rows.t(r)) * d.kv_len + s0;
+          for (int64_t j = 0; j < keys; ++j) dst[j] = dpt[j * cols + r];
+        }
+      }
+      // dK_tile += dS · (scale·Q); dQ += dS · K_tile (scaled when stored).
+      gemm.pack_a({dpt, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
+      TileGemm(gemm, count, a_panels, key_panels, q_rows, ld_dk / nr, dk_acc + s0 * ld_dk, ld_dk, true);
+      gemm.pack_a({dpt, DType::kFloat32, count, keys, 1, cols}, 0, count, 0, keys, a_panels);
+      gemm.pack_b(KvMatrix(p.k, b, kv_head, s0, keys), 0, keys, 0, d.head_dim, k_rows);
+      TileGemm(gemm, keys, a_panels, row_panels, k_rows, ld_dq / nr, dq_acc, ld_dq, true);
+    }
+    for (int64_t r = 0; r < count; ++r) {
+      for (int64_t h = 0; h < d.head_dim; ++h) {
+        attention::StoreElementDouble(g.dq, b, rows.t(r), rows.n(r), h, p.scale * dq_acc[r * ld_dq + h]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+Status DotProductAttention(const DotProductAttentionParams& p, const DotProductAttentionConfig& config) {
+  Status status = config.Validate();
+  if (!status.ok()) return status;
+  Kernels k;
+  status = GetKernels(&k);
+  if (!status.ok()) return status;
+  const Dims d = DimsOf(p);
+  if (d.batch == 0 || d.q_len == 0 || d.q_heads == 0) return Status::Ok();
+  if (p.q.dtype == DType::kFloat64) {
+    DotProductAttentionReference(p);
+    return Status::Ok();
+  }
+  if (d.kv_len == 0 || d.value_dim == 0) {
+    ZeroOutputs(p, d);
+    return Status::Ok();
+  }
+  const int64_t q_blocks = CeilDiv(d.q_len, config.block_q);
+  const int64_t kv_blocks = CeilDiv(d.kv_len, config.block_kv);
+  const int64_t splits = std::min(config.num_splits, kv_blocks);
+  SplitPartials partials;
+  if (splits > 1) {
+    const int64_t rows = splits * d.batch * d.q_heads * d.q_len;
+    partials.out.assign(rows * d.value_dim, 0.0f);
+    partials.max.assign(rows, kNegInf);
+    partials.sum.assign(rows, 0.0f);
+  }
+  // Tasks are pulled from a shared counter, latest query blocks first: under a causal mask they
+  // are the longest, and starting them first balances the threads.
+  const int64_t num_tasks = d.batch * d.kv_heads * q_blocks * splits;
+  std::atomic<int64_t> next{0};
+  ParallelFor(0, num_tasks, 1, [&](int64_t, int64_t) {
+    thread_local ForwardScratch scratch;
+    for (int64_t task = next.fetch_add(1); task < num_tasks; task = next.fetch_add(1)) {
+      const int64_t split = task % splits;
+      const int64_t qb = q_blocks - 1 - (task / splits) % q_blocks;
+      const int64_t kv_head = (task / splits / q_blocks) % d.kv_heads;
+      TaskRows rows;
+      rows.b = task / splits / q_blocks / d.kv_heads;
+      rows.kv_head = kv_head;
+      rows.group = d.group;
+      rows.t0 = qb * config.block_q;
+      rows.positions = std::min(config.block_q, d.q_len - rows.t0);
+      const int64_t kv_begin = (kv_blocks * split / splits) * config.block_kv;
+      const int64_t kv_end = std::min(d.kv_len, (kv_blocks * (split + 1) / splits) * config.block_kv);
+      ForwardTask(p, d, k, config, rows, kv_begin, kv_end, split, splits > 1 ? &partials : nullptr, scratch);
+    }
+  });
+  if (splits > 1) {
+    const int64_t rows = d.batch * d.q_heads * d.q_len;
+    ParallelFor(0, rows, 64, [&](int64_t begin, int64_t end) {
+      std::vector<float> merged;
+      for (int64_t row = begin; row < end; ++row) {
+        const int64_t t = row % d.q_len, n = (row / d.q_len) % d.q_heads, b = row / d.q_len / d.q_heads;
+        MergeSplits(p, d, partials, splits, b, n, t, merged);
+      }
+    });
+  }
+  return Status::Ok();
+}
+
+Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const DotProductAttentionConfig& config) {
+  Status status = config.Validate();
+  if (!status.ok()) return status;
+  Kernels k;
+  status = GetKernels(&k);
+  if (!status.ok()) return status;
+  const DotProductAttentionParams& p = g.forward;
+  const Dims d = DimsOf(p);
+  if (p.q.dtype == DType::kFloat64) {
+    DotProductAttentionBackwardReference(g);
+    return Status::Ok();
+  }
+  const int64_t mr = k.gemm->mr, nr = k.gemm->nr;
+  const int64_t q_blocks = d.q_len > 0 ? CeilDiv(d.q_len, config.block_q) : 0;
+  const int64_t splits = std::max<int64_t>(1, std::min(config.num_splits, q_blocks));
+  const int64_t ld_dk = RoundUp(d.head_dim, nr), ld_dv = RoundUp(d.value_dim, nr);
+  // Per (split, batch, kv head): fp32 dk/dv partial sums over [S + mr) rows (tiles write whole
+  // mr-row panels; the padding rows only ever receive zeros).
+  const int64_t acc_rows = d.kv_len + mr;
+  const int64_t heads = d.batch * d.kv_heads;
+  std::vector<float> dk_acc(splits * heads * acc_rows * ld_dk, 0.0f);
+  std::vector<float> dv_acc(splits * heads * acc_rows * ld_dv, 0.0f);
+  if (g.dbias != nullptr) std::fill(g.dbias, g.dbias + d.batch * d.q_heads * d.q_len * d.kv_len, 0.0f);
+  const int64_t num_tasks = heads * splits;
+  std::atomic<int64_t> next{0};
+  ParallelFor(0, num_tasks, 1, [&](int64_t, int64_t) {
+    thread_local BackwardScratch scratch;
+    for (int64_t task = next.fetch_add(1); task < num_tasks; task = next.fetch_add(1)) {
+      const int64_t split = task % splits, head = task / splits;
+      const int64_t qb_begin = q_blocks * split / splits, qb_end = q_blocks * (split + 1) / splits;
+      float* dk = dk_acc.data() + (split * heads + head) * acc_rows * ld_dk;
+      float* dv = dv_acc.data() + (split * heads + head) * acc_rows * ld_dv;
+      BackwardTask(g, d, k, config, head / d.kv_heads, head % d.kv_heads, qb_begin, qb_end, dk, ld_dk, dv, ld_dv,
+                   scratch);
+    }
+  });
+  // dk, dv = the splits' partial sums, added in split order.
+  ParallelFor(0, heads * d.kv_len, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t head = row / d.kv_len, s = row % d.kv_len;
+      const int64_t b = head / d.kv_heads, kv_head = head % d.kv_heads;
+      for (int64_t h = 0; h < d.head_dim; ++h) {
+        float total = 0.0f;
+        for (int64_t c = 0; c < splits; ++c) total += dk_acc[((c * heads + head) * acc_rows + s) * ld_dk + h];
+        attention::StoreElementDouble(g.dk, b, s, kv_head, h, total);
+      }
+      for (int64_t e = 0; e < d.value_dim; ++e) {
+        float total = 0.0f;
+        for (int64_t c = 0; c < splits; ++c) total += dv_acc[((c * heads + head) * acc_rows + s) * ld_dv + e];
+        attention::StoreElementDouble(g.dv, b, s, kv_head, e, total);
+      }
+    }
+  });
+  return Status::Ok();
+}
+
+}  // namespace tokamax

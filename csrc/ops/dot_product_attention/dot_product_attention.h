@@ -1,0 +1,119 @@
+// dot_product_attention: multi-head attention with grouped kv heads, masks and soft-capping.
+//
+//   query[B,T,N,H], key[B,S,K,H], value[B,S,K,Hv] -> out[B,T,N,Hv], logsumexp[B,N,T] (fp32)
+//   logits = scale · q·kᵀ + bias; logits = cap · tanh(logits / cap) when soft-capped; masked
+//   logits are -inf; out = softmax(logits) · v. Query head n reads kv head n / (N / K).
+// A query row that sees no key gets out = 0 and logsumexp = -inf, and zero gradients.
+// Torch-free: the adapter passes pointers, sizes and element strides (0 for broadcast dims).
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "csrc/core/cpu_info.h"
+#include "csrc/core/dtype.h"
+#include "csrc/core/status.h"
+
+namespace tokamax {
+
+struct Tensor4View {
+  const void* data = nullptr;  // null: absent (bias, dlse)
+  DType dtype = DType::kFloat32;
+  int64_t sizes[4] = {0, 0, 0, 0};
+  int64_t strides[4] = {0, 0, 0, 0};  // in elements
+};
+
+struct MutableTensor4View {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t sizes[4] = {0, 0, 0, 0};
+  int64_t strides[4] = {0, 0, 0, 0};
+};
+
+// Which (b, n, t, s) pairs are visible. All conditions combine with "and".
+struct AttentionMasks {
+  static constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max() / 4;
+  bool is_causal = false;                 // s <= t (top-left aligned)
+  int64_t window_left = kUnbounded;       // t - left <= s
+  int64_t window_right = kUnbounded;      // s <= t + right
+  const int64_t* q_lengths = nullptr;     // [B]: t < q_lengths[b]
+  const int64_t* kv_lengths = nullptr;    // [B]: s < kv_lengths[b]
+  const int32_t* q_segment_ids = nullptr;   // [B,T], with kv_segment_ids: equal ids only
+  int64_t q_segment_strides[2] = {0, 0};
+  const int32_t* kv_segment_ids = nullptr;  // [B,S]
+  int64_t kv_segment_strides[2] = {0, 0};
+  const uint8_t* mask = nullptr;          // bool [B,N,T,S] (broadcast strides), nonzero = visible
+  int64_t mask_strides[4] = {0, 0, 0, 0};
+};
+
+struct DotProductAttentionParams {
+  Tensor4View q;     // [B,T,N,H]
+  Tensor4View k;     // [B,S,K,H]
+  Tensor4View v;     // [B,S,K,Hv]
+  Tensor4View bias;  // broadcast to [B,N,T,S]; data null when absent
+  AttentionMasks masks;
+  float scale = 1.0f;
+  float logits_soft_cap = 0.0f;  // 0: none
+  MutableTensor4View out;  // [B,T,N,Hv]
+  float* lse = nullptr;    // [B,N,T] with lse_strides; null when not wanted
+  int64_t lse_strides[3] = {0, 0, 0};
+};
+
+struct DotProductAttentionGradParams {
+  DotProductAttentionParams forward;  // its out and lse are the forward's results, read here
+  Tensor4View dout;                   // [B,T,N,Hv]
+  const float* dlse = nullptr;        // [B,N,T] cotangent of logsumexp; null: zero
+  int64_t dlse_strides[3] = {0, 0, 0};
+  MutableTensor4View dq;              // [B,T,N,H]
+  MutableTensor4View dk;              // [B,S,K,H]
+  MutableTensor4View dv;              // [B,S,K,Hv]
+  float* dbias = nullptr;             // dense fp32 [B,N,T,S] (contiguous) or null: not wanted
+};
+
+// The problem as heuristics and cache keys see it.
+struct DotProductAttentionShape {
+  int64_t batch = 0, q_len = 0, kv_len = 0, q_heads = 0, kv_heads = 0, head_dim = 0, value_dim = 0;
+  bool block_sparse = false;  // a causal, window, length or segment mask lets blocks be skipped
+};
+
+// Knobs of the CPU kernel, in the order they cross the schema as int[]. The same struct serves
+// the forward and the backward pass.
+struct DotProductAttentionConfig {
+  int64_t block_q = 96;   // query positions per task (times N/K query heads = the tile's rows)
+  int64_t block_kv = 256; // keys per tile (the granularity of block skipping)
+  // Forward: the kv sequence of each task is split into this many chunks run in parallel and
+  // merged by logsumexp (decode). Backward: the query sequence of each kv head is split into
+  // this many chunks whose dk/dv partial sums are added in a fixed order.
+  int64_t num_splits = 1;
+
+  static constexpr int kNumFields = 3;
+  static const char* const kFieldNames[kNumFields];
+
+  Status Validate() const;
+  std::vector<int64_t> ToVector() const;
+  static Status FromVector(const std::vector<int64_t>& values, DotProductAttentionConfig* config);
+  bool operator==(const DotProductAttentionConfig& other) const { return ToVector() == other.ToVector(); }
+};
+
+// product: 0 forward, 1 backward. Pure functions of the shape, the dtype and the CPU.
+DotProductAttentionConfig DotProductAttentionHeuristicConfig(const DotProductAttentionShape& shape, DType dtype,
+                                                             const CpuInfo& cpu, int product);
+std::vector<DotProductAttentionConfig> DotProductAttentionConfigSpace(const DotProductAttentionShape& shape,
+                                                                      DType dtype, const CpuInfo& cpu,
+                                                                      int product);
+
+// Sequence lengths must lie in [0, max]; the adapter checks shapes and dtypes itself.
+Status CheckAttentionLengths(const int64_t* lengths, int64_t batch, int64_t max, const char* name);
+
+// The kernels: active ISA tier, installed parallel backend. float64 runs the exact loops below.
+Status DotProductAttention(const DotProductAttentionParams& params, const DotProductAttentionConfig& config);
+Status DotProductAttentionBackward(const DotProductAttentionGradParams& params,
+                                   const DotProductAttentionConfig& config);
+
+// Plain float64 loops over the same params (any dtype in and out): the oracle of the C++ tests
+// and the float64 path of the kernels.
+void DotProductAttentionReference(const DotProductAttentionParams& params);
+void DotProductAttentionBackwardReference(const DotProductAttentionGradParams& params);
+
+}  // namespace tokamax
