@@ -4,14 +4,12 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include <sys/mman.h>
-
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "csrc/core/cpu_info.h"
+#include "csrc/torch/adapter_utils.h"
 #include "csrc/ops/ragged_dot/ragged_dot.h"
 
 namespace tokamax {
@@ -20,26 +18,6 @@ namespace {
 using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::tensor_list;
-
-std::string ShapeString(const Tensor& t) {
-  std::ostringstream out;
-  out << t.sym_sizes();
-  return out.str();
-}
-
-DType ToCoreDType(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kHalf: return DType::kFloat16;
-    case at::kDouble: return DType::kFloat64;
-    default: TORCH_CHECK(false, "ragged_dot: unsupported dtype ", type);
-  }
-}
-
-bool IsSupportedFloat(at::ScalarType type) {
-  return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf || type == at::kDouble;
-}
 
 // Configs as the kernel uses them: the forward one, and one per gradient product. bwd_config
 // holds 5 values (one config for both products) or 10 (lhs gradient, then rhs gradient).
@@ -148,21 +126,6 @@ Tensor EmptyOutput(const Tensor& lhs, const RaggedDotSignature& sig) {
   return at::empty_symint(sig.out_shape, lhs.options().dtype(sig.out_dtype));
 }
 
-// A fresh multi-MiB output is first touched by the kernel, and 4 KiB page faults cost ~10 ms
-// per 32 MiB here (~15% of an 8192x1024x1024 ragged_dot). Asking for transparent huge pages
-// on its 2 MiB-aligned interior (Linux, THP "madvise" mode) cuts the fault count 512-fold.
-void AdviseHugePages(const Tensor& out) {
-#ifdef MADV_HUGEPAGE
-  constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
-  const size_t bytes = out.nbytes();
-  if (!out.device().is_cpu() || bytes < 4 * kHugePage) return;
-  const uintptr_t start = reinterpret_cast<uintptr_t>(out.data_ptr());
-  const uintptr_t begin = (start + kHugePage - 1) & ~(kHugePage - 1);
-  const uintptr_t end = (start + bytes) & ~(kHugePage - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // advisory only
-#endif
-}
-
 std::vector<int64_t> GroupSizesToVector(const Tensor& group_sizes) {
   const Tensor sizes = group_sizes.to(at::kLong).contiguous();
   const int64_t* data = sizes.const_data_ptr<int64_t>();
@@ -181,13 +144,13 @@ RaggedDotShape ShapeOf(const Tensor& lhs, const Tensor& group_sizes, const Ragge
 
 RaggedDotConfig ResolveConfig(const std::optional<RaggedDotConfig>& config, const RaggedDotShape& shape,
                               at::ScalarType dtype) {
-  return config.has_value() ? *config : RaggedDotHeuristicConfig(shape, ToCoreDType(dtype), GetCpuInfo());
+  return config.has_value() ? *config : RaggedDotHeuristicConfig(shape, ToCoreDType(dtype, "ragged_dot"), GetCpuInfo());
 }
 
 Tensor3View ViewOf(const Tensor& t) {
   Tensor3View view;
   view.data = t.const_data_ptr();
-  view.dtype = ToCoreDType(t.scalar_type());
+  view.dtype = ToCoreDType(t.scalar_type(), "ragged_dot");
   for (int64_t d = 0; d < t.dim(); ++d) {
     view.sizes[d] = t.size(d);
     view.strides[d] = t.stride(d);
@@ -217,7 +180,7 @@ Tensor RaggedDotCpu(const Tensor& lhs, const Tensor& rhs, const Tensor& group_si
   params.group_sizes = sizes.data();
   params.num_groups = shape.g;
   params.out = out.data_ptr();
-  params.out_dtype = ToCoreDType(sig.out_dtype);
+  params.out_dtype = ToCoreDType(sig.out_dtype, "ragged_dot");
   for (int64_t d = 0; d < out.dim(); ++d) params.out_strides[d] = out.stride(d);
   const Status status = RaggedDot(params, resolved);
   TORCH_CHECK(status.ok(), status.message());
@@ -374,7 +337,7 @@ std::vector<int64_t> HeuristicConfigOp(const Tensor& lhs, const Tensor& rhs, con
                                        std::optional<at::ScalarType> preferred_element_type, int64_t product) {
   const RaggedDotShape shape =
       ProductShape(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type, product);
-  return RaggedDotHeuristicConfig(shape, ToCoreDType(lhs.scalar_type()), GetCpuInfo()).ToVector();
+  return RaggedDotHeuristicConfig(shape, ToCoreDType(lhs.scalar_type(), "ragged_dot"), GetCpuInfo()).ToVector();
 }
 
 std::vector<int64_t> ConfigSpaceOp(const Tensor& lhs, const Tensor& rhs, const Tensor& group_sizes,
@@ -383,7 +346,7 @@ std::vector<int64_t> ConfigSpaceOp(const Tensor& lhs, const Tensor& rhs, const T
   const RaggedDotShape shape =
       ProductShape(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type, product);
   std::vector<int64_t> flat;
-  for (const RaggedDotConfig& c : RaggedDotConfigSpace(shape, ToCoreDType(lhs.scalar_type()), GetCpuInfo())) {
+  for (const RaggedDotConfig& c : RaggedDotConfigSpace(shape, ToCoreDType(lhs.scalar_type(), "ragged_dot"), GetCpuInfo())) {
     const std::vector<int64_t> values = c.ToVector();
     flat.insert(flat.end(), values.begin(), values.end());
   }

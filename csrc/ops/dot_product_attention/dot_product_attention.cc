@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "csrc/core/gemm.h"
@@ -51,6 +52,26 @@ Dims DimsOf(const DotProductAttentionParams& p) {
 const void* ElementAddress(const Tensor4View& view, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
   const int64_t offset = i0 * view.strides[0] + i1 * view.strides[1] + i2 * view.strides[2] + i3 * view.strides[3];
   return static_cast<const char*>(view.data) + offset * DTypeSize(view.dtype);
+}
+
+Tensor4View AsConst(const MutableTensor4View& view) {
+  Tensor4View result;
+  result.data = view.data;
+  result.dtype = view.dtype;
+  std::copy(view.sizes, view.sizes + 4, result.sizes);
+  std::copy(view.strides, view.strides + 4, result.strides);
+  return result;
+}
+
+// The tile of one task, rows (block_q x group) by block_kv keys, must fit the scratch bound.
+Status CheckTile(const DotProductAttentionConfig& config, int64_t group) {
+  constexpr int64_t kMaxTileFloats = int64_t{1} << 24;  // 64 MiB of fp32 logits
+  if (config.block_q * group * config.block_kv > kMaxTileFloats) {
+    return Status::Error("dot_product_attention config: block_q * (query heads per kv head) * block_kv must be "
+                         "at most 2^24, got " + std::to_string(config.block_q) + " * " + std::to_string(group) +
+                         " * " + std::to_string(config.block_kv));
+  }
+  return Status::Ok();
 }
 
 // Grow-only per-thread scratch; resized, never shrunk, so steady-state calls do not allocate.
@@ -247,7 +268,7 @@ void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, in
     return 0;
   });
   if (p.lse != nullptr) {
-    p.lse[b * p.lse_strides[0] + n * p.lse_strides[1] + t * p.lse_strides[2]] =
+    static_cast<float*>(p.lse)[b * p.lse_strides[0] + n * p.lse_strides[1] + t * p.lse_strides[2]] =
         sum > 0.0f ? max + std::log(sum) : kNegInf;
   }
 }
@@ -365,6 +386,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
                   const DotProductAttentionConfig& config, int64_t b, int64_t kv_head, int64_t qb_begin,
                   int64_t qb_end, float* dk_acc, int64_t ld_dk, float* dv_acc, int64_t ld_dv, BackwardScratch& s) {
   const DotProductAttentionParams& p = g.forward;
+  const Tensor4View out = AsConst(p.out);
   const GemmKernels& gemm = *k.gemm;
   const int64_t mr = gemm.mr, nr = gemm.nr;
   const int64_t block = config.block_kv;
@@ -405,16 +427,15 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
     std::fill(delta, delta + cols, 0.0f);
     for (int64_t r = 0; r < count; ++r) {
       const int64_t t = rows.t(r), n = rows.n(r);
-      const float lse = p.lse[b * p.lse_strides[0] + n * p.lse_strides[1] + t * p.lse_strides[2]];
+      const float lse = static_cast<const float*>(p.lse)[b * p.lse_strides[0] + n * p.lse_strides[1] + t * p.lse_strides[2]];
       lse_sub[r] = lse == kNegInf ? 0.0f : lse;
       float dot = 0.0f;
       for (int64_t e = 0; e < d.value_dim; ++e) {
-        dot += attention::LoadElement(g.dout, b, t, n, e) *
-               attention::LoadElement({p.out.data, p.out.dtype, {}, {p.out.strides[0], p.out.strides[1],
-                                                                     p.out.strides[2], p.out.strides[3]}},
-                                      b, t, n, e);
+        dot += attention::LoadElement(g.dout, b, t, n, e) * attention::LoadElement(out, b, t, n, e);
       }
-      if (g.dlse != nullptr) dot -= g.dlse[b * g.dlse_strides[0] + n * g.dlse_strides[1] + t * g.dlse_strides[2]];
+      if (g.dlse != nullptr) {
+        dot -= static_cast<const float*>(g.dlse)[b * g.dlse_strides[0] + n * g.dlse_strides[1] + t * g.dlse_strides[2]];
+      }
       delta[r] = dot;
     }
     bool packed = false;
@@ -450,7 +471,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
       }
       if (g.dbias != nullptr) {
         for (int64_t r = 0; r < count; ++r) {
-          float* dst = g.dbias + ((b * d.q_heads + rows.n(r)) * d.q_len + rows.t(r)) * d.kv_len + s0;
+          float* dst = static_cast<float*>(g.dbias) + ((b * d.q_heads + rows.n(r)) * d.q_len + rows.t(r)) * d.kv_len + s0;
           for (int64_t j = 0; j < keys; ++j) dst[j] = dpt[j * cols + r];
         }
       }
@@ -478,6 +499,8 @@ Status DotProductAttention(const DotProductAttentionParams& p, const DotProductA
   status = GetKernels(&k);
   if (!status.ok()) return status;
   const Dims d = DimsOf(p);
+  status = CheckTile(config, d.group);
+  if (!status.ok()) return status;
   if (d.batch == 0 || d.q_len == 0 || d.q_heads == 0) return Status::Ok();
   if (p.q.dtype == DType::kFloat64) {
     DotProductAttentionReference(p);
@@ -539,6 +562,9 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
   if (!status.ok()) return status;
   const DotProductAttentionParams& p = g.forward;
   const Dims d = DimsOf(p);
+  status = CheckTile(config, d.group);
+  if (!status.ok()) return status;
+  if (p.lse == nullptr && d.batch * d.q_heads * d.q_len > 0) return Status::Error("dot_product_attention backward: the forward's logsumexp is required");
   if (p.q.dtype == DType::kFloat64) {
     DotProductAttentionBackwardReference(g);
     return Status::Ok();
@@ -553,7 +579,10 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
   const int64_t heads = d.batch * d.kv_heads;
   std::vector<float> dk_acc(splits * heads * acc_rows * ld_dk, 0.0f);
   std::vector<float> dv_acc(splits * heads * acc_rows * ld_dv, 0.0f);
-  if (g.dbias != nullptr) std::fill(g.dbias, g.dbias + d.batch * d.q_heads * d.q_len * d.kv_len, 0.0f);
+  if (g.dbias != nullptr) {
+    float* dbias = static_cast<float*>(g.dbias);
+    std::fill(dbias, dbias + d.batch * d.q_heads * d.q_len * d.kv_len, 0.0f);
+  }
   const int64_t num_tasks = heads * splits;
   std::atomic<int64_t> next{0};
   ParallelFor(0, num_tasks, 1, [&](int64_t, int64_t) {

@@ -56,19 +56,21 @@ struct DotProductAttentionParams {
   float scale = 1.0f;
   float logits_soft_cap = 0.0f;  // 0: none
   MutableTensor4View out;  // [B,T,N,Hv]
-  float* lse = nullptr;    // [B,N,T] with lse_strides; null when not wanted
+  // [B,N,T] with lse_strides; null when not wanted. float, or double when q is float64 (so
+  // float64 gradient checks see an exact logsumexp); the same holds for dlse below.
+  void* lse = nullptr;
   int64_t lse_strides[3] = {0, 0, 0};
 };
 
 struct DotProductAttentionGradParams {
   DotProductAttentionParams forward;  // its out and lse are the forward's results, read here
   Tensor4View dout;                   // [B,T,N,Hv]
-  const float* dlse = nullptr;        // [B,N,T] cotangent of logsumexp; null: zero
+  const void* dlse = nullptr;         // [B,N,T] cotangent of logsumexp; null: zero
   int64_t dlse_strides[3] = {0, 0, 0};
   MutableTensor4View dq;              // [B,T,N,H]
   MutableTensor4View dk;              // [B,S,K,H]
   MutableTensor4View dv;              // [B,S,K,Hv]
-  float* dbias = nullptr;             // dense fp32 [B,N,T,S] (contiguous) or null: not wanted
+  void* dbias = nullptr;              // dense [B,N,T,S] (contiguous), float like lse; null: not wanted
 };
 
 // The problem as heuristics and cache keys see it.

@@ -80,7 +80,12 @@ void DotProductAttentionReference(const DotProductAttentionParams& p) {
           StoreElementDouble(p.out, b, t, n, e, acc);
         }
         if (p.lse != nullptr) {
-          p.lse[b * p.lse_strides[0] + n * p.lse_strides[1] + t * p.lse_strides[2]] = static_cast<float>(lse);
+          const int64_t offset = b * p.lse_strides[0] + n * p.lse_strides[1] + t * p.lse_strides[2];
+          if (p.q.dtype == DType::kFloat64) {
+            static_cast<double*>(p.lse)[offset] = lse;
+          } else {
+            static_cast<float*>(p.lse)[offset] = static_cast<float>(lse);
+          }
         }
       }
     }
@@ -102,7 +107,11 @@ void DotProductAttentionBackwardReference(const DotProductAttentionGradParams& g
         const bool any = RowProbabilities(p, d, b, n, t, &probs, &tanh_values, &lse);
         // dP_s = dO · v_s; dlogit_s = P_s (dP_s - sum_s' P_s' dP_s' + dlse).
         double dlse = 0.0;
-        if (g.dlse != nullptr) dlse = g.dlse[b * g.dlse_strides[0] + n * g.dlse_strides[1] + t * g.dlse_strides[2]];
+        if (g.dlse != nullptr) {
+          const int64_t offset = b * g.dlse_strides[0] + n * g.dlse_strides[1] + t * g.dlse_strides[2];
+          dlse = p.q.dtype == DType::kFloat64 ? static_cast<const double*>(g.dlse)[offset]
+                                              : static_cast<const float*>(g.dlse)[offset];
+        }
         double weighted = 0.0;
         for (int64_t s = 0; s < d.kv_len; ++s) {
           dlogits[s] = 0.0;
@@ -120,7 +129,14 @@ void DotProductAttentionBackwardReference(const DotProductAttentionGradParams& g
         for (int64_t s = 0; s < d.kv_len; ++s) {
           double ds = any ? probs[s] * (dlogits[s] - weighted + dlse) : 0.0;
           if (p.logits_soft_cap > 0.0f) ds *= 1.0 - tanh_values[s] * tanh_values[s];
-          if (g.dbias != nullptr) g.dbias[((b * d.q_heads + n) * d.q_len + t) * d.kv_len + s] = static_cast<float>(ds);
+          if (g.dbias != nullptr) {
+            const int64_t offset = ((b * d.q_heads + n) * d.q_len + t) * d.kv_len + s;
+            if (p.q.dtype == DType::kFloat64) {
+              static_cast<double*>(g.dbias)[offset] = ds;
+            } else {
+              static_cast<float*>(g.dbias)[offset] = static_cast<float>(ds);
+            }
+          }
           if (ds == 0.0) continue;
           for (int64_t h = 0; h < d.head_dim; ++h) {
             dq[h] += p.scale * ds * LoadElementDouble(p.k, b, s, kh, h);

@@ -1,0 +1,144 @@
+// dot_product_attention configs: validation, (de)serialisation, heuristics and the autotuning
+// space.
+#include <algorithm>
+#include <cstdint>
+#include <set>
+#include <string>
+
+#include "csrc/ops/dot_product_attention/dot_product_attention.h"
+
+namespace tokamax {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+constexpr int64_t kMaxBlockQ = 4096;
+constexpr int64_t kMaxBlockKv = 8192;
+constexpr int64_t kMaxSplits = 256;
+// The largest logits tile a config may ask for (block_q x block_kv fp32, before multiplying by
+// the group size): 16 MiB. The kernel checks the tile with the group size folded in.
+constexpr int64_t kMaxTileFloats = int64_t{1} << 22;
+// Rows of a tile the heuristics aim for: 96 is a multiple of the 12-row (avx512) and 6-row
+// (avx2) micro-tiles and of the 32-wide (avx512) and 16-wide (avx2) column panels; a 96-row
+// fp32 Q block of head_dim 128 is 48 KiB, so Q stays in L1/L2 while K/V tiles stream past.
+constexpr int64_t kTargetRows = 96;
+// Enough independent tasks that a few cores stay busy to the end.
+constexpr int64_t kTargetForwardTasks = 8;
+constexpr int64_t kTargetBackwardTasks = 4;
+
+Status FieldError(const char* field, const std::string& expected, int64_t got) {
+  return Status::Error(std::string("dot_product_attention config: ") + field + " must be " + expected +
+                       ", got " + std::to_string(got));
+}
+
+int64_t GroupOf(const DotProductAttentionShape& shape) {
+  return shape.kv_heads > 0 ? std::max<int64_t>(shape.q_heads / shape.kv_heads, 1) : 1;
+}
+
+}  // namespace
+
+const char* const DotProductAttentionConfig::kFieldNames[DotProductAttentionConfig::kNumFields] = {
+    "block_q", "block_kv", "num_splits"};
+
+Status DotProductAttentionConfig::Validate() const {
+  if (block_q < 1 || block_q > kMaxBlockQ) {
+    return FieldError("block_q", "in [1, " + std::to_string(kMaxBlockQ) + "]", block_q);
+  }
+  if (block_kv < 8 || block_kv > kMaxBlockKv || block_kv % 8 != 0) {
+    return FieldError("block_kv", "a multiple of 8 in [8, " + std::to_string(kMaxBlockKv) + "]", block_kv);
+  }
+  if (num_splits < 1 || num_splits > kMaxSplits) {
+    return FieldError("num_splits", "in [1, " + std::to_string(kMaxSplits) + "]", num_splits);
+  }
+  if (block_q * block_kv > kMaxTileFloats) {
+    return FieldError("block_q * block_kv", "at most 2^22 (a 16 MiB logits tile)", block_q * block_kv);
+  }
+  return Status::Ok();
+}
+
+std::vector<int64_t> DotProductAttentionConfig::ToVector() const { return {block_q, block_kv, num_splits}; }
+
+Status DotProductAttentionConfig::FromVector(const std::vector<int64_t>& values, DotProductAttentionConfig* config) {
+  if (values.size() != kNumFields) {
+    return Status::Error("dot_product_attention config: expected " + std::to_string(kNumFields) +
+                         " values (block_q, block_kv, num_splits), got " + std::to_string(values.size()));
+  }
+  DotProductAttentionConfig parsed;
+  parsed.block_q = values[0];
+  parsed.block_kv = values[1];
+  parsed.num_splits = values[2];
+  const Status status = parsed.Validate();
+  if (!status.ok()) return status;
+  *config = parsed;
+  return Status::Ok();
+}
+
+DotProductAttentionConfig DotProductAttentionHeuristicConfig(const DotProductAttentionShape& shape, DType dtype,
+                                                             const CpuInfo& cpu, int product) {
+  (void)dtype;  // every operand is widened to fp32 while packing: the tiling is dtype-independent
+  DotProductAttentionConfig config;
+  const int64_t group = GroupOf(shape);
+  // A tile's rows are (position, query head) pairs: block_q positions times the group.
+  config.block_q = std::max<int64_t>(1, kTargetRows / group);
+  config.block_q = std::min(config.block_q, std::max<int64_t>(shape.q_len, 1));
+  // block_kv: 256 keys keep the fp32 logits tile (256 x 96 = 96 KiB) and one packed K or V tile
+  // (256 x 128 x 4 = 128 KiB) inside a 512 KiB L2. Block-sparse masks skip whole tiles, so
+  // smaller tiles follow a diagonal or a segment boundary more closely.
+  config.block_kv = shape.block_sparse ? 128 : 256;
+  if (cpu.l2_bytes < 512 * 1024) config.block_kv = 128;
+  const int64_t q_blocks = CeilDiv(std::max<int64_t>(shape.q_len, 1), config.block_q);
+  const int64_t kv_blocks = CeilDiv(std::max<int64_t>(shape.kv_len, 1), config.block_kv);
+  const int64_t heads = std::max<int64_t>(shape.batch * shape.kv_heads, 1);
+  // num_splits depends on the shape alone (never the thread count), so results are the same
+  // bits on any machine with the same ISA tier.
+  if (product == 0) {
+    // Decode: too few (batch, kv head, q block) tasks to fill the cores: split the keys.
+    const int64_t tasks = heads * q_blocks;
+    if (tasks < kTargetForwardTasks) {
+      config.num_splits = std::min(CeilDiv(kTargetForwardTasks, tasks), kv_blocks);
+    }
+  } else {
+    const int64_t tasks = heads;
+    if (tasks < kTargetBackwardTasks) {
+      config.num_splits = std::min(CeilDiv(kTargetBackwardTasks, tasks), q_blocks);
+    }
+  }
+  config.num_splits = std::max<int64_t>(1, std::min(config.num_splits, kMaxSplits));
+  return config;
+}
+
+std::vector<DotProductAttentionConfig> DotProductAttentionConfigSpace(const DotProductAttentionShape& shape,
+                                                                      DType dtype, const CpuInfo& cpu,
+                                                                      int product) {
+  const DotProductAttentionConfig heuristic = DotProductAttentionHeuristicConfig(shape, dtype, cpu, product);
+  std::vector<DotProductAttentionConfig> space = {heuristic};
+  std::set<std::vector<int64_t>> seen = {heuristic.ToVector()};
+  const int64_t group = GroupOf(shape);
+  const int64_t max_q = std::max<int64_t>(shape.q_len, 1);
+  for (int64_t rows : {48, 96, 192}) {
+    for (int64_t block_kv : {64, 128, 256, 512}) {
+      for (int64_t split_factor : {1, 2}) {
+        DotProductAttentionConfig config;
+        config.block_q = std::min(std::max<int64_t>(1, rows / group), max_q);
+        config.block_kv = block_kv;
+        config.num_splits = std::min(heuristic.num_splits * split_factor, kMaxSplits);
+        if (!config.Validate().ok() || !seen.insert(config.ToVector()).second) continue;
+        space.push_back(config);
+      }
+    }
+  }
+  return space;
+}
+
+Status CheckAttentionLengths(const int64_t* lengths, int64_t batch, int64_t max, const char* name) {
+  for (int64_t b = 0; b < batch; ++b) {
+    if (lengths[b] < 0 || lengths[b] > max) {
+      return Status::Error(std::string("dot_product_attention: ") + name + " must lie in [0, " +
+                           std::to_string(max) + "], got " + name + "[" + std::to_string(b) +
+                           "] = " + std::to_string(lengths[b]));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace tokamax

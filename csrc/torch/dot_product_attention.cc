@@ -1,0 +1,708 @@
+// tokamax::dot_product_attention, its reference twin and its backward op: schemas, the shared
+// argument check, the CPU kernel adapters, the ATen reference, SymInt meta kernels and C++
+// autograd.
+//
+// The reference is CompositeImplicitAutograd: plain ATen ops whose own autograd and meta
+// decompositions give an independent oracle for the kernel's hand-written backward.
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "csrc/core/cpu_info.h"
+#include "csrc/ops/dot_product_attention/dot_product_attention.h"
+#include "csrc/torch/adapter_utils.h"
+
+namespace tokamax {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::tensor_list;
+
+constexpr const char* kOp = "dot_product_attention";
+
+struct AttentionConfigs {
+  std::optional<DotProductAttentionConfig> forward;
+  std::optional<DotProductAttentionConfig> backward;
+};
+
+// What the check derives from valid arguments.
+struct AttentionSignature {
+  c10::SymInt batch, q_len, kv_len, q_heads, kv_heads, head_dim, value_dim;
+  int64_t window_left = AttentionMasks::kUnbounded;
+  int64_t window_right = AttentionMasks::kUnbounded;
+  bool block_sparse = false;  // some mask lets whole kv tiles be skipped
+  at::ScalarType lse_dtype = at::kFloat;
+  AttentionConfigs configs;
+};
+
+DotProductAttentionConfig ParseConfig(at::OptionalIntArrayRef values, const char* name) {
+  DotProductAttentionConfig parsed;
+  const Status status = DotProductAttentionConfig::FromVector(values->vec(), &parsed);
+  TORCH_CHECK(status.ok(), kOp, ": ", name, ": ", status.message());
+  return parsed;
+}
+
+// `name` must broadcast to [B, N, T, S] (right-aligned, each size 1 or equal).
+void CheckBroadcastable(const Tensor& t, const char* name, const std::vector<c10::SymInt>& target) {
+  TORCH_CHECK(t.dim() <= 4, kOp, ": ", name, " must be broadcastable to [B, N, T, S] = ", target,
+              ", got shape ", ShapeString(t));
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    const c10::SymInt& size = t.sym_size(i);
+    if (size.maybe_as_int() == std::optional<int64_t>(1)) continue;
+    const c10::SymInt& want = target[4 - t.dim() + i];
+    TORCH_SYM_CHECK(size.sym_eq(want), kOp, ": ", name, " must be broadcastable to [B, N, T, S] = ", target,
+                    ", got shape ", ShapeString(t), " (dimension ", i, " is ", size, ")");
+  }
+}
+
+void CheckLengths(const std::optional<Tensor>& lengths, const char* name, const c10::SymInt& batch,
+                  const at::Device& device) {
+  if (!lengths.has_value()) return;
+  TORCH_CHECK(lengths->scalar_type() == at::kInt || lengths->scalar_type() == at::kLong, kOp, ": ", name,
+              " must be int32 or int64, got ", lengths->scalar_type());
+  TORCH_CHECK(lengths->dim() == 1, kOp, ": ", name, " must be 1-D [B], got shape ", ShapeString(*lengths));
+  TORCH_SYM_CHECK(lengths->sym_size(0).sym_eq(batch), kOp, ": ", name, " must have B = ", batch,
+                  " entries, got shape ", ShapeString(*lengths));
+  TORCH_CHECK(lengths->device() == device, kOp, ": ", name, " must be on ", device, " like query, got ",
+              lengths->device());
+}
+
+void CheckSegmentIds(const Tensor& ids, const char* name, const c10::SymInt& batch, const c10::SymInt& len,
+                     const char* len_name, const at::Device& device) {
+  TORCH_CHECK(ids.scalar_type() == at::kInt, kOp, ": ", name, " must be int32, got ", ids.scalar_type());
+  TORCH_CHECK(ids.dim() == 2, kOp, ": ", name, " must be 2-D [B, ", len_name, "], got shape ", ShapeString(ids));
+  TORCH_SYM_CHECK(ids.sym_size(0).sym_eq(batch) & ids.sym_size(1).sym_eq(len), kOp, ": ", name, " must have shape [B, ",
+                  len_name, "] = [", batch, ", ", len, "], got ", ShapeString(ids));
+  TORCH_CHECK(ids.device() == device, kOp, ": ", name, " must be on ", device, " like query, got ", ids.device());
+}
+
+// The one argument check, shared by the kernel, the reference, the backward op and the meta
+// kernels, so eager and compiled code raise the same errors. Only metadata is read; length
+// values are checked by the CPU kernels before any compute.
+AttentionSignature CheckAttentionArgs(const Tensor& query, const Tensor& key, const Tensor& value,
+                                      const std::optional<Tensor>& bias, const std::optional<Tensor>& mask,
+                                      std::optional<double> scale, bool is_causal,
+                                      const std::optional<Tensor>& query_seq_lengths,
+                                      const std::optional<Tensor>& key_value_seq_lengths,
+                                      at::OptionalIntArrayRef local_window_size, std::optional<double> logits_soft_cap,
+                                      const std::optional<Tensor>& q_segment_ids,
+                                      const std::optional<Tensor>& kv_segment_ids, at::OptionalIntArrayRef config,
+                                      at::OptionalIntArrayRef bwd_config) {
+  AttentionSignature sig;
+  if (config.has_value()) sig.configs.forward = ParseConfig(config, "config");
+  if (bwd_config.has_value()) sig.configs.backward = ParseConfig(bwd_config, "bwd_config");
+
+  TORCH_CHECK(query.dim() == 4, kOp, ": query must be 4-D [B, T, N, H], got shape ", ShapeString(query));
+  TORCH_CHECK(key.dim() == 4, kOp, ": key must be 4-D [B, S, K, H], got shape ", ShapeString(key));
+  TORCH_CHECK(value.dim() == 4, kOp, ": value must be 4-D [B, S, K, Hv], got shape ", ShapeString(value));
+  TORCH_CHECK(IsSupportedFloat(query.scalar_type()), kOp,
+              ": query must be float32, bfloat16, float16 or float64, got ", query.scalar_type());
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(), kOp,
+              ": query, key and value must have one dtype, got ", query.scalar_type(), ", ", key.scalar_type(),
+              " and ", value.scalar_type());
+  const at::Device device = query.device();
+  TORCH_CHECK(key.device() == device && value.device() == device, kOp,
+              ": query, key and value must be on one device, got ", device, ", ", key.device(), " and ",
+              value.device());
+  sig.batch = query.sym_size(0);
+  sig.q_len = query.sym_size(1);
+  sig.q_heads = query.sym_size(2);
+  sig.head_dim = query.sym_size(3);
+  sig.kv_len = key.sym_size(1);
+  sig.kv_heads = key.sym_size(2);
+  sig.value_dim = value.sym_size(3);
+  TORCH_SYM_CHECK(key.sym_size(0).sym_eq(sig.batch) & value.sym_size(0).sym_eq(sig.batch), kOp,
+                  ": key and value must have batch size B = ", sig.batch, " like query, got key ",
+                  ShapeString(key), " and value ", ShapeString(value));
+  TORCH_SYM_CHECK(key.sym_size(3).sym_eq(sig.head_dim), kOp, ": key's head dim must equal query's (", sig.head_dim,
+                  "), got key ", ShapeString(key), " and query ", ShapeString(query));
+  TORCH_SYM_CHECK(value.sym_size(1).sym_eq(sig.kv_len) & value.sym_size(2).sym_eq(sig.kv_heads), kOp,
+                  ": value must be [B, S, K, Hv] with S and K of key, got value ", ShapeString(value), " and key ",
+                  ShapeString(key));
+  TORCH_SYM_CHECK(sig.kv_heads.sym_ge(1), kOp, ": key must have at least one head, got shape ", ShapeString(key));
+  TORCH_SYM_CHECK((sig.q_heads % sig.kv_heads).sym_eq(0), kOp,
+                  ": the number of query heads must be a multiple of the number of kv heads, got N = ",
+                  sig.q_heads, " and K = ", sig.kv_heads);
+  const std::vector<c10::SymInt> logits_shape = {sig.batch, sig.q_heads, sig.q_len, sig.kv_len};
+  if (bias.has_value()) {
+    TORCH_CHECK(IsSupportedFloat(bias->scalar_type()), kOp,
+                ": bias must be float32, bfloat16, float16 or float64, got ", bias->scalar_type());
+    TORCH_CHECK(bias->device() == device, kOp, ": bias must be on ", device, " like query, got ", bias->device());
+    CheckBroadcastable(*bias, "bias", logits_shape);
+  }
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool, kOp, ": mask must be bool (True = visible), got ",
+                mask->scalar_type());
+    TORCH_CHECK(mask->device() == device, kOp, ": mask must be on ", device, " like query, got ", mask->device());
+    CheckBroadcastable(*mask, "mask", logits_shape);
+  }
+  if (scale.has_value()) {
+    TORCH_CHECK(std::isfinite(*scale), kOp, ": scale must be finite, got ", *scale);
+  }
+  if (logits_soft_cap.has_value()) {
+    TORCH_CHECK(std::isfinite(*logits_soft_cap) && *logits_soft_cap > 0.0, kOp,
+                ": logits_soft_cap must be a positive finite number, got ", *logits_soft_cap);
+  }
+  if (local_window_size.has_value()) {
+    TORCH_CHECK(local_window_size->size() == 2, kOp,
+                ": local_window_size must be (left, right), two non-negative ints, got ", local_window_size->size(),
+                " values");
+    const int64_t left = (*local_window_size)[0], right = (*local_window_size)[1];
+    TORCH_CHECK(left >= 0 && right >= 0, kOp, ": local_window_size must be non-negative, got (", left, ", ",
+                right, ")");
+    sig.window_left = std::min(left, AttentionMasks::kUnbounded);
+    sig.window_right = std::min(right, AttentionMasks::kUnbounded);
+  }
+  CheckLengths(query_seq_lengths, "query_seq_lengths", sig.batch, device);
+  CheckLengths(key_value_seq_lengths, "key_value_seq_lengths", sig.batch, device);
+  TORCH_CHECK(q_segment_ids.has_value() == kv_segment_ids.has_value(), kOp,
+              ": q_segment_ids and kv_segment_ids must be given together, got only ",
+              q_segment_ids.has_value() ? "q_segment_ids" : "kv_segment_ids");
+  if (q_segment_ids.has_value()) {
+    CheckSegmentIds(*q_segment_ids, "q_segment_ids", sig.batch, sig.q_len, "T", device);
+    CheckSegmentIds(*kv_segment_ids, "kv_segment_ids", sig.batch, sig.kv_len, "S", device);
+  }
+  sig.block_sparse = is_causal || local_window_size.has_value() || query_seq_lengths.has_value() ||
+                     key_value_seq_lengths.has_value() || q_segment_ids.has_value();
+  sig.lse_dtype = query.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return sig;
+}
+
+double ScaleOf(std::optional<double> scale, const AttentionSignature& sig) {
+  if (scale.has_value()) return *scale;
+  return 1.0 / std::sqrt(static_cast<double>(sig.head_dim.guard_int(__FILE__, __LINE__)));
+}
+
+std::vector<c10::SymInt> OutShape(const AttentionSignature& sig) {
+  return {sig.batch, sig.q_len, sig.q_heads, sig.value_dim};
+}
+
+std::vector<c10::SymInt> LseShape(const AttentionSignature& sig) { return {sig.batch, sig.q_heads, sig.q_len}; }
+
+DotProductAttentionShape ShapeOf(const AttentionSignature& sig) {
+  DotProductAttentionShape shape;
+  shape.batch = sig.batch.expect_int();
+  shape.q_len = sig.q_len.expect_int();
+  shape.kv_len = sig.kv_len.expect_int();
+  shape.q_heads = sig.q_heads.expect_int();
+  shape.kv_heads = sig.kv_heads.expect_int();
+  shape.head_dim = sig.head_dim.expect_int();
+  shape.value_dim = sig.value_dim.expect_int();
+  shape.block_sparse = sig.block_sparse;
+  return shape;
+}
+
+DotProductAttentionConfig ResolveConfig(const std::optional<DotProductAttentionConfig>& config,
+                                        const AttentionSignature& sig, at::ScalarType dtype, int product) {
+  if (config.has_value()) return *config;
+  return DotProductAttentionHeuristicConfig(ShapeOf(sig), ToCoreDType(dtype, kOp), GetCpuInfo(), product);
+}
+
+Tensor4View ViewOf(const Tensor& t) {
+  Tensor4View view;
+  view.data = t.const_data_ptr();
+  view.dtype = ToCoreDType(t.scalar_type(), kOp);
+  for (int64_t d = 0; d < 4; ++d) {
+    view.sizes[d] = t.size(d);
+    view.strides[d] = t.stride(d);
+  }
+  return view;
+}
+
+MutableTensor4View MutableViewOf(Tensor& t) {
+  MutableTensor4View view;
+  view.data = t.data_ptr();
+  view.dtype = ToCoreDType(t.scalar_type(), kOp);
+  for (int64_t d = 0; d < 4; ++d) {
+    view.sizes[d] = t.size(d);
+    view.strides[d] = t.stride(d);
+  }
+  return view;
+}
+
+std::vector<int64_t> LengthValues(const std::optional<Tensor>& lengths, int64_t max, const char* name) {
+  if (!lengths.has_value()) return {};
+  const Tensor values = lengths->to(at::kLong).contiguous();
+  std::vector<int64_t> result(values.const_data_ptr<int64_t>(), values.const_data_ptr<int64_t>() + values.numel());
+  const Status status = CheckAttentionLengths(result.data(), static_cast<int64_t>(result.size()), max, name);
+  TORCH_CHECK(status.ok(), status.message());
+  return result;
+}
+
+// The kernel's view of one call's inputs; owns what its pointers point into. Not copyable.
+struct KernelInputs {
+  KernelInputs() = default;
+  KernelInputs(const KernelInputs&) = delete;
+  KernelInputs& operator=(const KernelInputs&) = delete;
+
+  DotProductAttentionParams params;
+  std::vector<int64_t> q_lengths, kv_lengths;
+  Tensor bias, mask;  // expanded to [B, N, T, S] (stride-0 views, no copies)
+};
+
+void FillKernelInputs(const Tensor& query, const Tensor& key, const Tensor& value, const std::optional<Tensor>& bias,
+                      const std::optional<Tensor>& mask, std::optional<double> scale, bool is_causal,
+                      const std::optional<Tensor>& query_seq_lengths,
+                      const std::optional<Tensor>& key_value_seq_lengths, std::optional<double> logits_soft_cap,
+                      const std::optional<Tensor>& q_segment_ids, const std::optional<Tensor>& kv_segment_ids,
+                      const AttentionSignature& sig, KernelInputs* in) {
+  DotProductAttentionParams& p = in->params;
+  p.q = ViewOf(query);
+  p.k = ViewOf(key);
+  p.v = ViewOf(value);
+  const std::vector<int64_t> logits_shape = {sig.batch.expect_int(), sig.q_heads.expect_int(),
+                                             sig.q_len.expect_int(), sig.kv_len.expect_int()};
+  if (bias.has_value()) {
+    in->bias = bias->expand(logits_shape);
+    p.bias = ViewOf(in->bias);
+  }
+  AttentionMasks& m = p.masks;
+  if (mask.has_value()) {
+    in->mask = mask->expand(logits_shape);
+    m.mask = reinterpret_cast<const uint8_t*>(in->mask.const_data_ptr<bool>());
+    for (int64_t d = 0; d < 4; ++d) m.mask_strides[d] = in->mask.stride(d);
+  }
+  m.is_causal = is_causal;
+  m.window_left = sig.window_left;
+  m.window_right = sig.window_right;
+  in->q_lengths = LengthValues(query_seq_lengths, logits_shape[2], "query_seq_lengths");
+  in->kv_lengths = LengthValues(key_value_seq_lengths, logits_shape[3], "key_value_seq_lengths");
+  if (query_seq_lengths.has_value()) m.q_lengths = in->q_lengths.data();
+  if (key_value_seq_lengths.has_value()) m.kv_lengths = in->kv_lengths.data();
+  if (q_segment_ids.has_value()) {
+    m.q_segment_ids = q_segment_ids->const_data_ptr<int32_t>();
+    m.q_segment_strides[0] = q_segment_ids->stride(0);
+    m.q_segment_strides[1] = q_segment_ids->stride(1);
+    m.kv_segment_ids = kv_segment_ids->const_data_ptr<int32_t>();
+    m.kv_segment_strides[0] = kv_segment_ids->stride(0);
+    m.kv_segment_strides[1] = kv_segment_ids->stride(1);
+  }
+  p.scale = static_cast<float>(ScaleOf(scale, sig));
+  p.logits_soft_cap = logits_soft_cap.has_value() ? static_cast<float>(*logits_soft_cap) : 0.0f;
+}
+
+void SetLse(Tensor& lse, DotProductAttentionParams* p) {
+  p->lse = lse.data_ptr();
+  for (int64_t d = 0; d < 3; ++d) p->lse_strides[d] = lse.stride(d);
+}
+
+void CheckCpu(const Tensor& query) {
+  TORCH_CHECK(query.device().is_cpu(), kOp, ": the kernel runs on CPU tensors, got ", query.device());
+}
+
+// ---- the CPU kernels ---------------------------------------------------------------------------
+
+std::tuple<Tensor, Tensor> DotProductAttentionCpu(
+    const Tensor& query, const Tensor& key, const Tensor& value, const std::optional<Tensor>& bias,
+    const std::optional<Tensor>& mask, std::optional<double> scale, bool is_causal,
+    const std::optional<Tensor>& query_seq_lengths, const std::optional<Tensor>& key_value_seq_lengths,
+    at::OptionalIntArrayRef local_window_size, std::optional<double> logits_soft_cap,
+    const std::optional<Tensor>& q_segment_ids, const std::optional<Tensor>& kv_segment_ids,
+    at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
+  const AttentionSignature sig =
+      CheckAttentionArgs(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
+                         local_window_size, logits_soft_cap, q_segment_ids, kv_segment_ids, config, bwd_config);
+  CheckCpu(query);
+  const DotProductAttentionConfig resolved = ResolveConfig(sig.configs.forward, sig, query.scalar_type(), 0);
+  KernelInputs in;
+  FillKernelInputs(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
+                   logits_soft_cap, q_segment_ids, kv_segment_ids, sig, &in);
+  Tensor out = at::empty_symint(OutShape(sig), query.options());
+  Tensor lse = at::empty_symint(LseShape(sig), query.options().dtype(sig.lse_dtype));
+  AdviseHugePages(out);
+  in.params.out = MutableViewOf(out);
+  SetLse(lse, &in.params);
+  const Status status = DotProductAttention(in.params, resolved);
+  TORCH_CHECK(status.ok(), status.message());
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor> DotProductAttentionMeta(
+    const Tensor& query, const Tensor& key, const Tensor& value, const std::optional<Tensor>& bias,
+    const std::optional<Tensor>& mask, std::optional<double> scale, bool is_causal,
+    const std::optional<Tensor>& query_seq_lengths, const std::optional<Tensor>& key_value_seq_lengths,
+    at::OptionalIntArrayRef local_window_size, std::optional<double> logits_soft_cap,
+    const std::optional<Tensor>& q_segment_ids, const std::optional<Tensor>& kv_segment_ids,
+    at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
+  const AttentionSignature sig =
+      CheckAttentionArgs(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
+                         local_window_size, logits_soft_cap, q_segment_ids, kv_segment_ids, config, bwd_config);
+  return {at::empty_symint(OutShape(sig), query.options()),
+          at::empty_symint(LseShape(sig), query.options().dtype(sig.lse_dtype))};
+}
+
+// Checks the backward's own tensors against the forward's signature.
+void CheckBackwardArgs(const Tensor& dout, const std::optional<Tensor>& dlse, const Tensor& out, const Tensor& lse,
+                       const Tensor& query, const AttentionSignature& sig) {
+  const std::vector<c10::SymInt> out_shape = OutShape(sig), lse_shape = LseShape(sig);
+  auto same_shape = [](const Tensor& t, const std::vector<c10::SymInt>& shape) {
+    if (t.dim() != static_cast<int64_t>(shape.size())) return c10::SymBool(false);
+    c10::SymBool all(true);
+    for (size_t i = 0; i < shape.size(); ++i) all = all & t.sym_size(i).sym_eq(shape[i]);
+    return all;
+  };
+  TORCH_SYM_CHECK(same_shape(out, out_shape), kOp, " backward: out must have shape ", out_shape, ", got ",
+                  ShapeString(out));
+  TORCH_SYM_CHECK(same_shape(dout, out_shape), kOp, " backward: dout must have shape ", out_shape, ", got ",
+                  ShapeString(dout));
+  TORCH_SYM_CHECK(same_shape(lse, lse_shape), kOp, " backward: logsumexp must have shape ", lse_shape, ", got ",
+                  ShapeString(lse));
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && dout.scalar_type() == query.scalar_type(), kOp,
+              " backward: out and dout must have query's dtype ", query.scalar_type(), ", got ", out.scalar_type(),
+              " and ", dout.scalar_type());
+  TORCH_CHECK(lse.scalar_type() == sig.lse_dtype, kOp, " backward: logsumexp must be ", sig.lse_dtype, ", got ",
+              lse.scalar_type());
+  if (dlse.has_value()) {
+    TORCH_SYM_CHECK(same_shape(*dlse, lse_shape), kOp, " backward: dlse must have shape ", lse_shape, ", got ",
+                    ShapeString(*dlse));
+    TORCH_CHECK(dlse->scalar_type() == sig.lse_dtype, kOp, " backward: dlse must be ", sig.lse_dtype, ", got ",
+                dlse->scalar_type());
+  }
+}
+
+using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+BackwardResult EmptyGradients(const Tensor& query, const Tensor& key, const Tensor& value,
+                              const std::optional<Tensor>& bias, bool bias_requires_grad,
+                              const AttentionSignature& sig) {
+  Tensor dq = at::empty_symint({sig.batch, sig.q_len, sig.q_heads, sig.head_dim}, query.options());
+  Tensor dk = at::empty_symint({sig.batch, sig.kv_len, sig.kv_heads, sig.head_dim}, key.options());
+  Tensor dv = at::empty_symint({sig.batch, sig.kv_len, sig.kv_heads, sig.value_dim}, value.options());
+  Tensor dbias = bias_requires_grad && bias.has_value() ? at::empty_symint(bias->sym_sizes(), bias->options())
+                                                        : at::empty({0}, query.options());
+  return {dq, dk, dv, dbias};
+}
+
+BackwardResult DotProductAttentionBackwardCpu(
+    const Tensor& dout, const std::optional<Tensor>& dlse, const Tensor& query, const Tensor& key,
+    const Tensor& value, const std::optional<Tensor>& bias, const std::optional<Tensor>& mask, const Tensor& out,
+    const Tensor& lse, std::optional<double> scale, bool is_causal, const std::optional<Tensor>& query_seq_lengths,
+    const std::optional<Tensor>& key_value_seq_lengths, at::OptionalIntArrayRef local_window_size,
+    std::optional<double> logits_soft_cap, const std::optional<Tensor>& q_segment_ids,
+    const std::optional<Tensor>& kv_segment_ids, bool bias_requires_grad, at::OptionalIntArrayRef bwd_config) {
+  const AttentionSignature sig =
+      CheckAttentionArgs(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
+                         local_window_size, logits_soft_cap, q_segment_ids, kv_segment_ids, std::nullopt, bwd_config);
+  CheckBackwardArgs(dout, dlse, out, lse, query, sig);
+  CheckCpu(query);
+  const DotProductAttentionConfig resolved = ResolveConfig(sig.configs.backward, sig, query.scalar_type(), 1);
+  KernelInputs in;
+  FillKernelInputs(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
+                   logits_soft_cap, q_segment_ids, kv_segment_ids, sig, &in);
+  auto [dq, dk, dv, dbias] = EmptyGradients(query, key, value, bias, bias_requires_grad, sig);
+  DotProductAttentionGradParams g;
+  g.forward = in.params;
+  Tensor out_view = out;  // read only; MutableTensor4View is the params' type for the output
+  g.forward.out = MutableViewOf(out_view);
+  Tensor lse_view = lse;
+  SetLse(lse_view, &g.forward);
+  g.dout = ViewOf(dout);
+  if (dlse.has_value()) {
+    g.dlse = dlse->const_data_ptr();
+    for (int64_t d = 0; d < 3; ++d) g.dlse_strides[d] = dlse->stride(d);
+  }
+  g.dq = MutableViewOf(dq);
+  g.dk = MutableViewOf(dk);
+  g.dv = MutableViewOf(dv);
+  Tensor dense_dbias;
+  if (bias_requires_grad && bias.has_value()) {
+    dense_dbias = at::empty({sig.batch.expect_int(), sig.q_heads.expect_int(), sig.q_len.expect_int(),
+                             sig.kv_len.expect_int()},
+                            query.options().dtype(sig.lse_dtype));
+    g.dbias = dense_dbias.data_ptr();
+  }
+  const Status status = DotProductAttentionBackward(g, resolved);
+  TORCH_CHECK(status.ok(), status.message());
+  if (dense_dbias.defined()) dbias.copy_(dense_dbias.sum_to_size(bias->sizes()));
+  return {dq, dk, dv, dbias};
+}
+
+BackwardResult DotProductAttentionBackwardMeta(
+    const Tensor& dout, const std::optional<Tensor>& dlse, const Tensor& query, const Tensor& key,
+    const Tensor& value, const std::optional<Tensor>& bias, const std::optional<Tensor>& mask, const Tensor& out,
+    const Tensor& lse, std::optional<double> scale, bool is_causal, const std::optional<Tensor>& query_seq_lengths,
+    const std::optional<Tensor>& key_value_seq_lengths, at::OptionalIntArrayRef local_window_size,
+    std::optional<double> logits_soft_cap, const std::optional<Tensor>& q_segment_ids,
+    const std::optional<Tensor>& kv_segment_ids, bool bias_requires_grad, at::OptionalIntArrayRef bwd_config) {
+  const AttentionSignature sig =
+      CheckAttentionArgs(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
+                         local_window_size, logits_soft_cap, q_segment_ids, kv_segment_ids, std::nullopt, bwd_config);
+  CheckBackwardArgs(dout, dlse, out, lse, query, sig);
+  return EmptyGradients(query, key, value, bias, bias_requires_grad, sig);
+}
+
+// ---- the reference: plain ATen ops, fp32 (float64 for float64) softmax -------------------------
+
+// Which (b, n, t, s) are visible, as a bool tensor broadcastable to [B, N, T, S]; undefined
+// when every pair is.
+Tensor VisibilityMask(const Tensor& query, const std::optional<Tensor>& mask, bool is_causal,
+                      const std::optional<Tensor>& query_seq_lengths,
+                      const std::optional<Tensor>& key_value_seq_lengths, const std::optional<Tensor>& q_segment_ids,
+                      const std::optional<Tensor>& kv_segment_ids, const AttentionSignature& sig) {
+  const auto index_options = query.options().dtype(at::kLong);
+  const Tensor t = at::arange(c10::Scalar(sig.q_len), index_options).view({-1, 1});   // [T, 1]
+  const Tensor s = at::arange(c10::Scalar(sig.kv_len), index_options).view({1, -1});  // [1, S]
+  Tensor visible;
+  auto both = [&visible](const Tensor& condition) { visible = visible.defined() ? visible & condition : condition; };
+  if (is_causal) both(s <= t);
+  if (sig.window_left < AttentionMasks::kUnbounded) both(s >= t - sig.window_left);
+  if (sig.window_right < AttentionMasks::kUnbounded) both(s <= t + sig.window_right);
+  if (query_seq_lengths.has_value()) both(t.view({1, 1, -1, 1}) < query_seq_lengths->view({-1, 1, 1, 1}));
+  if (key_value_seq_lengths.has_value()) both(s.view({1, 1, 1, -1}) < key_value_seq_lengths->view({-1, 1, 1, 1}));
+  if (q_segment_ids.has_value()) both(q_segment_ids->unsqueeze(1).unsqueeze(3) == kv_segment_ids->unsqueeze(1).unsqueeze(2));
+  if (mask.has_value()) both(*mask);
+  return visible;
+}
+
+std::tuple<Tensor, Tensor> DotProductAttentionReferenceImpl(
+    const Tensor& query, const Tensor& key, const Tensor& value, const std::optional<Tensor>& bias,
+    const std::optional<Tensor>& mask, std::optional<double> scale, bool is_causal,
+    const std::optional<Tensor>& query_seq_lengths, const std::optional<Tensor>& key_value_seq_lengths,
+    at::OptionalIntArrayRef local_window_size, std::optional<double> logits_soft_cap,
+    const std::optional<Tensor>& q_segment_ids, const std::optional<Tensor>& kv_segment_ids,
+    at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
+  const AttentionSignature sig =
+      CheckAttentionArgs(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
+                         local_window_size, logits_soft_cap, q_segment_ids, kv_segment_ids, config, bwd_config);
+  const at::ScalarType acc = sig.lse_dtype;
+  const c10::SymInt group = sig.q_heads / sig.kv_heads;
+  if (sig.kv_len.maybe_as_int() == std::optional<int64_t>(0)) {  // no keys: every row is empty
+    return {at::zeros_symint(OutShape(sig), query.options()),
+            at::full_symint(LseShape(sig), -std::numeric_limits<double>::infinity(), query.options().dtype(acc))};
+  }
+  // [B, T, N, H] -> [B, K, G, T, H]; key and value [B, S, K, *] -> [B, K, 1, S, *] (no repeat).
+  const Tensor q = query.to(acc).view_symint({sig.batch, sig.q_len, sig.kv_heads, group, sig.head_dim})
+                       .permute({0, 2, 3, 1, 4});
+  const Tensor k = key.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);
+  const Tensor v = value.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);
+  Tensor logits = at::matmul(q, k.transpose(-1, -2)) * ScaleOf(scale, sig);  // [B, K, G, T, S]
+  logits = logits.reshape_symint({sig.batch, sig.q_heads, sig.q_len, sig.kv_len});
+  if (bias.has_value()) logits = logits + bias->to(acc);
+  if (logits_soft_cap.has_value()) logits = at::tanh(logits / *logits_soft_cap) * *logits_soft_cap;
+  const Tensor visible = VisibilityMask(query, mask, is_causal, query_seq_lengths, key_value_seq_lengths,
+                                        q_segment_ids, kv_segment_ids, sig);
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  if (visible.defined()) logits = at::where(visible, logits, neg_inf);
+  // Safe softmax: rows with no visible key have max -inf; shift them by 0 so exp gives 0, and
+  // keep every where() branch finite so gradients stay 0, never NaN.
+  const Tensor max = std::get<0>(logits.detach().max(-1, /*keepdim=*/true));
+  const Tensor shift = at::where(at::isfinite(max), max, 0.0);
+  const Tensor probs = at::exp(logits - shift);
+  const Tensor sum = probs.sum(-1, /*keepdim=*/true);
+  const Tensor nonempty = sum > 0;
+  const Tensor safe_sum = at::where(nonempty, sum, 1.0);
+  const Tensor weighted = at::matmul(probs.view_symint({sig.batch, sig.kv_heads, group, sig.q_len, sig.kv_len}), v);
+  const Tensor out = (weighted.reshape_symint({sig.batch, sig.q_heads, sig.q_len, sig.value_dim}) / safe_sum)
+                         .permute({0, 2, 1, 3})
+                         .to(query.scalar_type())
+                         .contiguous();
+  const Tensor lse = at::where(nonempty, shift + at::log(safe_sum), neg_inf).squeeze(-1);
+  return {out, lse};
+}
+
+// ---- autograd ----------------------------------------------------------------------------------
+
+using ForwardSignature = std::tuple<Tensor, Tensor>(
+    const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
+    std::optional<double>, bool, const std::optional<Tensor>&, const std::optional<Tensor>&, at::OptionalIntArrayRef,
+    std::optional<double>, const std::optional<Tensor>&, const std::optional<Tensor>&, at::OptionalIntArrayRef,
+    at::OptionalIntArrayRef);
+using BackwardSignature = BackwardResult(
+    const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
+    const std::optional<Tensor>&, const std::optional<Tensor>&, const Tensor&, const Tensor&, std::optional<double>,
+    bool, const std::optional<Tensor>&, const std::optional<Tensor>&, at::OptionalIntArrayRef, std::optional<double>,
+    const std::optional<Tensor>&, const std::optional<Tensor>&, bool, at::OptionalIntArrayRef);
+
+const c10::TypedOperatorHandle<ForwardSignature>& ForwardOp() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("tokamax::dot_product_attention", "").typed<ForwardSignature>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<BackwardSignature>& BackwardOp() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("tokamax::_dot_product_attention_backward", "")
+                             .typed<BackwardSignature>();
+  return op;
+}
+
+std::optional<Tensor> Optional(const Tensor& t) {
+  return t.defined() ? std::optional<Tensor>(t) : std::nullopt;
+}
+
+std::optional<double> OptionalDouble(const c10::IValue& value) {
+  return value.isNone() ? std::nullopt : std::optional<double>(value.toDouble());
+}
+
+c10::IValue ToIValue(std::optional<double> value) { return value.has_value() ? c10::IValue(*value) : c10::IValue(); }
+
+// Residuals: the inputs, out and logsumexp. The backward recomputes probabilities from them
+// tile by tile (FlashAttention-2), so nothing of size T x S is saved.
+class DotProductAttentionFunction : public torch::autograd::Function<DotProductAttentionFunction> {
+ public:
+  static tensor_list forward(AutogradContext* ctx, const Tensor& query, const Tensor& key, const Tensor& value,
+                             const std::optional<Tensor>& bias, const std::optional<Tensor>& mask,
+                             std::optional<double> scale, bool is_causal,
+                             const std::optional<Tensor>& query_seq_lengths,
+                             const std::optional<Tensor>& key_value_seq_lengths,
+                             at::OptionalIntArrayRef local_window_size, std::optional<double> logits_soft_cap,
+                             const std::optional<Tensor>& q_segment_ids, const std::optional<Tensor>& kv_segment_ids,
+                             at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, lse] =
+        ForwardOp().call(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
+                         local_window_size, logits_soft_cap, q_segment_ids, kv_segment_ids, config, bwd_config);
+    ctx->saved_data["scale"] = ToIValue(scale);
+    ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["has_window"] = local_window_size.has_value();
+    ctx->saved_data["window"] = local_window_size.has_value() ? local_window_size->vec() : std::vector<int64_t>{};
+    ctx->saved_data["logits_soft_cap"] = ToIValue(logits_soft_cap);
+    ctx->saved_data["has_bwd_config"] = bwd_config.has_value();
+    ctx->saved_data["bwd_config"] = bwd_config.has_value() ? bwd_config->vec() : std::vector<int64_t>{};
+    ctx->save_for_backward({query, key, value, bias.value_or(Tensor()), mask.value_or(Tensor()),
+                            query_seq_lengths.value_or(Tensor()), key_value_seq_lengths.value_or(Tensor()),
+                            q_segment_ids.value_or(Tensor()), kv_segment_ids.value_or(Tensor()), out, lse});
+    return {out, lse};
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor& out = saved[9];
+    const Tensor& lse = saved[10];
+    // Only logsumexp may be used downstream: out's cotangent is then zero.
+    const Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    const std::vector<int64_t> window = ctx->saved_data["window"].toIntVector();
+    const std::vector<int64_t> bwd_config = ctx->saved_data["bwd_config"].toIntVector();
+    at::OptionalIntArrayRef window_ref, config_ref;
+    if (ctx->saved_data["has_window"].toBool()) window_ref = at::IntArrayRef(window);
+    if (ctx->saved_data["has_bwd_config"].toBool()) config_ref = at::IntArrayRef(bwd_config);
+    const bool bias_requires_grad = saved[3].defined() && ctx->needs_input_grad(3);
+    auto [dq, dk, dv, dbias] = BackwardOp().call(
+        dout, Optional(grads[1]), saved[0], saved[1], saved[2], Optional(saved[3]), Optional(saved[4]), out, lse,
+        OptionalDouble(ctx->saved_data["scale"]), ctx->saved_data["is_causal"].toBool(), Optional(saved[5]),
+        Optional(saved[6]), window_ref, OptionalDouble(ctx->saved_data["logits_soft_cap"]), Optional(saved[7]),
+        Optional(saved[8]), bias_requires_grad, config_ref);
+    tensor_list result(15);
+    result[0] = dq;
+    result[1] = dk;
+    result[2] = dv;
+    if (bias_requires_grad) result[3] = dbias;
+    return result;
+  }
+};
+
+std::tuple<Tensor, Tensor> DotProductAttentionAutograd(
+    const Tensor& query, const Tensor& key, const Tensor& value, const std::optional<Tensor>& bias,
+    const std::optional<Tensor>& mask, std::optional<double> scale, bool is_causal,
+    const std::optional<Tensor>& query_seq_lengths, const std::optional<Tensor>& key_value_seq_lengths,
+    at::OptionalIntArrayRef local_window_size, std::optional<double> logits_soft_cap,
+    const std::optional<Tensor>& q_segment_ids, const std::optional<Tensor>& kv_segment_ids,
+    at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
+  const tensor_list outputs = DotProductAttentionFunction::apply(
+      query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size,
+      logits_soft_cap, q_segment_ids, kv_segment_ids, config, bwd_config);
+  return {outputs[0], outputs[1]};
+}
+
+// ---- configs for Python: heuristics, the search space, field names -----------------------------
+
+DotProductAttentionShape ConfigShape(const Tensor& query, const Tensor& key, const Tensor& value, bool block_sparse,
+                                     int64_t product) {
+  TORCH_CHECK(product == 0 || product == 1, kOp, ": product must be 0 (forward) or 1 (backward), got ", product);
+  const AttentionSignature sig =
+      CheckAttentionArgs(query, key, value, std::nullopt, std::nullopt, std::nullopt, false, std::nullopt,
+                         std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
+                         std::nullopt);
+  DotProductAttentionShape shape = ShapeOf(sig);
+  shape.block_sparse = block_sparse;
+  return shape;
+}
+
+std::vector<int64_t> HeuristicConfigOp(const Tensor& query, const Tensor& key, const Tensor& value,
+                                       bool block_sparse, int64_t product) {
+  const DotProductAttentionShape shape = ConfigShape(query, key, value, block_sparse, product);
+  return DotProductAttentionHeuristicConfig(shape, ToCoreDType(query.scalar_type(), kOp), GetCpuInfo(),
+                                            static_cast<int>(product))
+      .ToVector();
+}
+
+std::vector<int64_t> ConfigSpaceOp(const Tensor& query, const Tensor& key, const Tensor& value, bool block_sparse,
+                                   int64_t product) {
+  const DotProductAttentionShape shape = ConfigShape(query, key, value, block_sparse, product);
+  std::vector<int64_t> flat;
+  for (const DotProductAttentionConfig& c : DotProductAttentionConfigSpace(
+           shape, ToCoreDType(query.scalar_type(), kOp), GetCpuInfo(), static_cast<int>(product))) {
+    const std::vector<int64_t> values = c.ToVector();
+    flat.insert(flat.end(), values.begin(), values.end());
+  }
+  return flat;
+}
+
+std::vector<std::string> ConfigFieldsOp() {
+  return std::vector<std::string>(DotProductAttentionConfig::kFieldNames,
+                                  DotProductAttentionConfig::kFieldNames + DotProductAttentionConfig::kNumFields);
+}
+
+void ValidateConfigOp(at::IntArrayRef config) {
+  DotProductAttentionConfig parsed;
+  const Status status = DotProductAttentionConfig::FromVector(config.vec(), &parsed);
+  TORCH_CHECK(status.ok(), status.message());
+}
+
+}  // namespace
+}  // namespace tokamax
+
+#define TOKAMAX_ATTENTION_ARGS                                                                        \
+  "Tensor query, Tensor key, Tensor value, Tensor? bias=None, Tensor? mask=None, float? scale=None, " \
+  "bool is_causal=False, Tensor? query_seq_lengths=None, Tensor? key_value_seq_lengths=None, "       \
+  "int[]? local_window_size=None, float? logits_soft_cap=None, Tensor? q_segment_ids=None, "         \
+  "Tensor? kv_segment_ids=None"
+#define TOKAMAX_ATTENTION_CONFIG_ARGS \
+  "(Tensor query, Tensor key, Tensor value, bool block_sparse=False, int product=0) -> int[]"
+
+TORCH_LIBRARY_FRAGMENT(tokamax, m) {
+  m.def("dot_product_attention(" TOKAMAX_ATTENTION_ARGS
+        ", int[]? config=None, int[]? bwd_config=None) -> (Tensor out, Tensor logsumexp)");
+  m.def("dot_product_attention_reference(" TOKAMAX_ATTENTION_ARGS
+        ", int[]? config=None, int[]? bwd_config=None) -> (Tensor out, Tensor logsumexp)");
+  m.def("_dot_product_attention_backward(Tensor dout, Tensor? dlogsumexp, Tensor query, Tensor key, Tensor value, "
+        "Tensor? bias, Tensor? mask, Tensor out, Tensor logsumexp, float? scale, bool is_causal, "
+        "Tensor? query_seq_lengths, Tensor? key_value_seq_lengths, int[]? local_window_size, "
+        "float? logits_soft_cap, Tensor? q_segment_ids, Tensor? kv_segment_ids, bool bias_requires_grad, "
+        "int[]? bwd_config) -> (Tensor dquery, Tensor dkey, Tensor dvalue, Tensor dbias)");
+  m.def("_dot_product_attention_heuristic_config" TOKAMAX_ATTENTION_CONFIG_ARGS);
+  m.def("_dot_product_attention_config_space" TOKAMAX_ATTENTION_CONFIG_ARGS);
+  m.def("_dot_product_attention_config_fields() -> str[]", &tokamax::ConfigFieldsOp);
+  m.def("_dot_product_attention_validate_config(int[] config) -> ()", &tokamax::ValidateConfigOp);
+}
+
+TORCH_LIBRARY_IMPL(tokamax, CPU, m) {
+  m.impl("dot_product_attention", &tokamax::DotProductAttentionCpu);
+  m.impl("_dot_product_attention_backward", &tokamax::DotProductAttentionBackwardCpu);
+}
+
+TORCH_LIBRARY_IMPL(tokamax, CompositeImplicitAutograd, m) {
+  m.impl("dot_product_attention_reference", &tokamax::DotProductAttentionReferenceImpl);
+}
+
+TORCH_LIBRARY_IMPL(tokamax, CompositeExplicitAutograd, m) {
+  m.impl("_dot_product_attention_heuristic_config", &tokamax::HeuristicConfigOp);
+  m.impl("_dot_product_attention_config_space", &tokamax::ConfigSpaceOp);
+}
+
+TORCH_LIBRARY_IMPL(tokamax, Meta, m) {
+  m.impl("dot_product_attention", &tokamax::DotProductAttentionMeta);
+  m.impl("_dot_product_attention_backward", &tokamax::DotProductAttentionBackwardMeta);
+}
+
+TORCH_LIBRARY_IMPL(tokamax, Autograd, m) {
+  m.impl("dot_product_attention", &tokamax::DotProductAttentionAutograd);
+}
