@@ -17,6 +17,7 @@ from tokamax_torch.autotuning import AutotuningResult, autotune, lookup_configs 
 
 __version__ = "0.1.0"
 
+dot_product_attention = ops.dot_product_attention.kernel
 ragged_dot = ops.ragged_dot.kernel
 
 
@@ -48,4 +49,13 @@ def get_configs(op, *args, from_autotuning_cache: bool = False, **kwargs):
     return op.get_configs(*args, **kwargs)
 
 
-__all__ = ["AutotuningResult", "autotune", "config", "device_kind", "get_configs", "ops", "ragged_dot"]
+__all__ = [
+    "AutotuningResult",
+    "autotune",
+    "config",
+    "device_kind",
+    "dot_product_attention",
+    "get_configs",
+    "ops",
+    "ragged_dot",
+]

@@ -474,10 +474,6 @@ std::tuple<Tensor, Tensor> DotProductAttentionReferenceImpl(
                          local_window_size, logits_soft_cap, q_segment_ids, kv_segment_ids, config, bwd_config);
   const at::ScalarType acc = sig.lse_dtype;
   const c10::SymInt group = sig.q_heads / sig.kv_heads;
-  if (sig.kv_len.maybe_as_int() == std::optional<int64_t>(0)) {  // no keys: every row is empty
-    return {at::zeros_symint(OutShape(sig), query.options()),
-            at::full_symint(LseShape(sig), -std::numeric_limits<double>::infinity(), query.options().dtype(acc))};
-  }
   // [B, T, N, H] -> [B, K, G, T, H]; key and value [B, S, K, *] -> [B, K, 1, S, *] (no repeat).
   const Tensor q = query.to(acc).view_symint({sig.batch, sig.q_len, sig.kv_heads, group, sig.head_dim})
                        .permute({0, 2, 3, 1, 4});
@@ -493,7 +489,10 @@ std::tuple<Tensor, Tensor> DotProductAttentionReferenceImpl(
   if (visible.defined()) logits = at::where(visible, logits, neg_inf);
   // Safe softmax: rows with no visible key have max -inf; shift them by 0 so exp gives 0, and
   // keep every where() branch finite so gradients stay 0, never NaN.
-  const Tensor max = std::get<0>(logits.detach().max(-1, /*keepdim=*/true));
+  // (max() rejects an empty dimension: without keys every row is empty, and the shift is 0.)
+  const bool no_keys = sig.kv_len.maybe_as_int() == std::optional<int64_t>(0);
+  const Tensor max = no_keys ? at::full_symint({sig.batch, sig.q_heads, sig.q_len, 1}, neg_inf, logits.options())
+                             : std::get<0>(logits.detach().max(-1, /*keepdim=*/true));
   const Tensor shift = at::where(at::isfinite(max), max, 0.0);
   const Tensor probs = at::exp(logits - shift);
   const Tensor sum = probs.sum(-1, /*keepdim=*/true);

@@ -68,7 +68,8 @@ def lookup_configs(op, *args, **kwargs):
 
 
 def _space_kwargs(kwargs: dict) -> dict:
-    return {k: v for k, v in kwargs.items() if k in ("ragged_dot_dimension_numbers", "preferred_element_type")}
+    """The call arguments a config space depends on: all but the configs themselves."""
+    return {k: v for k, v in kwargs.items() if k != "configs"}
 
 
 @dataclasses.dataclass

@@ -1,0 +1,524 @@
+"""The shared dot_product_attention suite, run against both singletons (reference and kernel)."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import tokamax_torch
+from tokamax_torch.ops import dot_product_attention as dpa
+
+IMPLEMENTATIONS = [dpa.reference, dpa.kernel]
+# max|out - oracle| / max|oracle| against float64 math on the same (rounded) inputs; bf16/fp16
+# are dominated by the rounding of the output itself.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2, torch.float16: 3e-3, torch.float64: 1e-12}
+GRAD_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 4e-2, torch.float16: 6e-3, torch.float64: 1e-10}
+
+
+@pytest.fixture(params=IMPLEMENTATIONS, ids=lambda impl: impl.name)
+def impl(request):
+    return request.param
+
+
+def make_qkv(b, t, s, n, k, h, hv=None, dtype=torch.float32, requires_grad=False):
+    hv = h if hv is None else hv
+    tensors = [torch.randn(b, t, n, h), torch.randn(b, s, k, h), torch.randn(b, s, k, hv)]
+    return [x.to(dtype).requires_grad_(requires_grad) for x in tensors]
+
+
+def oracle(q, k, v, bias=None, mask=None, *, scale=None, is_causal=False, query_seq_lengths=None,
+           key_value_seq_lengths=None, local_window_size=None, logits_soft_cap=None, q_segment_ids=None,
+           kv_segment_ids=None):
+    """float64 math with an explicit dense [B, N, T, S] visibility mask: the ground truth."""
+    q, k, v = q.double(), k.double(), v.double()
+    b, t, n, h = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(n // kv_heads, dim=2)
+    v = v.repeat_interleave(n // kv_heads, dim=2)
+    scale = 1.0 / math.sqrt(h) if scale is None else scale
+    logits = torch.einsum("btnh,bsnh->bnts", q, k) * scale
+    if bias is not None:
+        logits = logits + bias.double()
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+    visible = torch.ones(b, n, t, s, dtype=torch.bool)
+    i = torch.arange(t)[:, None]
+    j = torch.arange(s)[None, :]
+    if is_causal:
+        visible &= j <= i
+    if local_window_size is not None:
+        left, right = (local_window_size, local_window_size) if isinstance(local_window_size, int) else local_window_size
+        if left is not None:
+            visible &= j >= i - left
+        if right is not None:
+            visible &= j <= i + right
+    for bi in range(b):
+        if query_seq_lengths is not None:
+            visible[bi, :, int(query_seq_lengths[bi]):, :] = False
+        if key_value_seq_lengths is not None:
+            visible[bi, :, :, int(key_value_seq_lengths[bi]):] = False
+        if q_segment_ids is not None:
+            visible[bi] &= (q_segment_ids[bi][:, None] == kv_segment_ids[bi][None, :])
+    if mask is not None:
+        visible &= mask
+    logits = logits.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)  # -inf for rows with nothing visible
+    probs = torch.exp(logits - lse[..., None].clamp_min(-1e300)).nan_to_num(0.0)
+    probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)
+    out = torch.einsum("bnts,bsnh->btnh", probs, v)
+    return out, lse
+
+
+def rel_error(got, want):
+    got, want = got.double(), want.double()
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite), "non-finite entries differ"
+    assert torch.equal(got[~finite], want[~finite])
+    if not finite.any():
+        return 0.0
+    return ((got - want)[finite].abs().max() / want[finite].abs().max().clamp_min(1e-6)).item()
+
+
+def assert_matches_oracle(impl, args, kwargs, dtype):
+    out, lse = impl(*args, return_residuals=True, **kwargs)
+    want_out, want_lse = oracle(*args, **kwargs)
+    assert out.dtype == args[0].dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape
+    assert rel_error(out, want_out) <= TOLERANCE[dtype]
+    assert rel_error(lse, want_lse) <= max(TOLERANCE[torch.float32], TOLERANCE[dtype] if dtype == torch.float64 else 0)
+    return out, lse
+
+
+def segment_ids(b, length, segments):
+    return (torch.arange(length) * segments // max(length, 1)).to(torch.int32).repeat(b, 1)
+
+
+# Every option alone, then all together (on a GQA problem with T != S).
+OPTIONS = {
+    "plain": {},
+    "causal": {"is_causal": True},
+    "window": {"local_window_size": (5, 2)},
+    "window_int": {"local_window_size": 3},
+    "window_left_only": {"local_window_size": (4, None)},
+    "lengths": {"query_seq_lengths": torch.tensor([19, 7]), "key_value_seq_lengths": torch.tensor([0, 25])},
+    "segments": {"q_segment_ids": segment_ids(2, 19, 3), "kv_segment_ids": segment_ids(2, 29, 3)},
+    "softcap": {"logits_soft_cap": 0.7},
+    "scale": {"scale": 0.5},
+    "bias": {"bias": torch.randn(1, 6, 19, 29)},
+    "mask": {"mask": torch.rand(2, 1, 19, 29) > 0.3},
+    "all": {
+        "is_causal": True, "local_window_size": (12, 0), "query_seq_lengths": torch.tensor([17, 19]),
+        "key_value_seq_lengths": torch.tensor([29, 11]), "q_segment_ids": segment_ids(2, 19, 2),
+        "kv_segment_ids": segment_ids(2, 29, 2), "logits_soft_cap": 2.0, "bias": torch.randn(6, 19, 29),
+        "mask": torch.rand(19, 29) > 0.2,
+    },
+}
+
+
+def _split(kwargs):
+    kwargs = dict(kwargs)
+    return kwargs.pop("bias", None), kwargs.pop("mask", None), kwargs
+
+
+@pytest.mark.parametrize("option", OPTIONS.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_float64_oracle(impl, option, dtype):
+    q, k, v = make_qkv(2, 19, 29, 6, 2, 16, 24, dtype)
+    bias, mask, kwargs = _split(OPTIONS[option])
+    bias = None if bias is None else bias.to(dtype)
+    assert_matches_oracle(impl, (q, k, v, bias, mask), kwargs, dtype)
+
+
+@pytest.mark.parametrize("b,t,s,n,k,h,hv", [
+    (1, 1, 300, 8, 2, 64, 64),    # decode: one query, split kv
+    (2, 70, 20, 4, 4, 8, 3),      # T > S
+    (1, 20, 70, 3, 1, 7, 9),      # T < S, MQA, odd head dims
+    (3, 1, 1, 2, 1, 4, 4),
+    (1, 130, 130, 2, 2, 256, 128),  # the largest head dim
+])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_shapes(impl, b, t, s, n, k, h, hv, is_causal):
+    q, k_, v = make_qkv(b, t, s, n, k, h, hv)
+    assert_matches_oracle(impl, (q, k_, v), {"is_causal": is_causal}, torch.float32)
+
+
+def test_matches_sdpa(impl):
+    q, k, v = make_qkv(2, 33, 33, 8, 2, 32)
+    got = impl(q, k, v, is_causal=True)
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                          enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    mask = torch.rand(33, 33) > 0.5
+    mask[:, 0] = True  # SDPA gives NaN for fully masked rows; ours gives 0
+    got = impl(q, k, v, mask=mask)
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                          enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_every_isa_tier(impl, monkeypatch):
+    q, k, v = make_qkv(1, 40, 50, 4, 2, 24)
+    for isa in ("scalar", "avx2", "avx512"):
+        monkeypatch.setenv("TOKAMAX_CPU_ISA", isa)
+        try:
+            assert_matches_oracle(impl, (q, k, v), {"is_causal": True, "logits_soft_cap": 1.5}, torch.float32)
+        except RuntimeError as e:
+            assert "not supported" in str(e)  # a tier this CPU lacks is a clear error, not a crash
+
+
+def test_zero_length_sequences(impl):
+    q, k, v = make_qkv(2, 0, 5, 2, 1, 8)
+    out, lse = impl(q, k, v, return_residuals=True)
+    assert out.shape == (2, 0, 2, 8) and lse.shape == (2, 2, 0)
+    q, k, v = make_qkv(2, 4, 0, 2, 1, 8, requires_grad=True)
+    out, lse = impl(q, k, v, return_residuals=True)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -math.inf).all())
+    (out.sum() + lse.exp().sum()).backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
+
+
+def test_fully_masked_rows_are_zero_with_zero_gradients(impl):
+    q, k, v = make_qkv(2, 12, 12, 2, 1, 16, requires_grad=True)
+    bias = torch.randn(2, 2, 12, 12, requires_grad=True)
+    kwargs = dict(query_seq_lengths=torch.tensor([5, 12]), key_value_seq_lengths=torch.tensor([12, 0]),
+                  local_window_size=(2, 0))
+    out, lse = impl(q, k, v, bias, return_residuals=True, **kwargs)
+    assert torch.equal(out[0, 5:], torch.zeros_like(out[0, 5:])) and torch.equal(out[1], torch.zeros_like(out[1]))
+    assert bool((lse[0, :, 5:] == -math.inf).all()) and bool((lse[1] == -math.inf).all())
+    (out * torch.randn_like(out)).sum().backward()
+    for x in (q, k, v, bias):
+        assert torch.isfinite(x.grad).all()
+    assert torch.equal(q.grad[0, 5:], torch.zeros_like(q.grad[0, 5:]))
+    assert torch.equal(q.grad[1], torch.zeros_like(q.grad[1]))
+    assert torch.equal(k.grad[1], torch.zeros_like(k.grad[1])) and torch.equal(bias.grad[1], torch.zeros_like(bias.grad[1]))
+
+
+def test_non_contiguous_inputs(impl):
+    # PyTorch's [B, N, T, H] layout passed as transposed views, and a sliced value.
+    qh, kh = torch.randn(2, 4, 21, 16), torch.randn(2, 2, 27, 16)
+    vh = torch.randn(2, 2, 27, 40)[..., ::2]
+    q, k, v = qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    bias = torch.randn(2, 21, 4, 27).transpose(1, 2)
+    ids = torch.zeros(2, 2 * 21, dtype=torch.int32)[:, ::2]
+    kw = dict(bias=bias, is_causal=True, q_segment_ids=ids, kv_segment_ids=torch.zeros(2, 27, dtype=torch.int32))
+    out, lse = assert_matches_oracle(impl, (q, k, v), kw, torch.float32)
+    torch.testing.assert_close(out, impl(q.contiguous(), k.contiguous(), v.contiguous(), **kw), rtol=0, atol=0)
+
+
+def test_bitwise_deterministic_across_runs_and_threads(impl):
+    q, k, v = make_qkv(1, 64, 300, 4, 2, 32)
+    threads = torch.get_num_threads()
+    try:
+        first = impl(q, k, v, is_causal=True, return_residuals=True)
+        torch.set_num_threads(1)
+        single = impl(q, k, v, is_causal=True, return_residuals=True)
+    finally:
+        torch.set_num_threads(threads)
+    again = impl(q, k, v, is_causal=True, return_residuals=True)
+    for a, b, c in zip(first, single, again):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+# ---- gradients ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("option", ["plain", "causal", "window", "lengths", "segments", "softcap", "bias", "all"])
+def test_gradients_match_float64_reference(option):
+    bias, mask, kwargs = _split(OPTIONS[option])
+    q, k, v = make_qkv(2, 19, 29, 6, 2, 16, 24, torch.float64, requires_grad=True)
+    bias = None if bias is None else bias.double().requires_grad_(True)
+    inputs = [q, k, v] + ([bias] if bias is not None else [])
+    out, lse = dpa.reference(q, k, v, bias, mask, return_residuals=True, **kwargs)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse).masked_fill(lse == -math.inf, 0)
+    want = torch.autograd.grad((out, lse), inputs, (dout, dlse), allow_unused=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        low = [x.detach().to(dtype).requires_grad_(True) for x in inputs]
+        lb = low[3] if bias is not None else None
+        out, lse = dpa.kernel(low[0], low[1], low[2], lb, mask, return_residuals=True, **kwargs)
+        got = torch.autograd.grad((out, lse), low, (dout.to(dtype), dlse.float()))
+        for g, w in zip(got, want):
+            assert g.dtype == dtype
+            assert rel_error(g, w) <= GRAD_TOLERANCE[dtype]
+
+
+def test_gradient_of_logsumexp_alone(impl):
+    q, k, v = make_qkv(1, 9, 11, 2, 1, 8, dtype=torch.float64, requires_grad=True)
+    _, lse = impl(q, k, v, is_causal=True, return_residuals=True)
+    got = torch.autograd.grad(lse.sum(), (q, k))
+    want = torch.autograd.grad(oracle(q, k, v, is_causal=True)[1].sum(), (q, k))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("option", ["plain", "all"])
+def test_gradcheck_float64(impl, option):
+    bias, mask, kwargs = _split(OPTIONS[option])
+    q, k, v = make_qkv(2, 19, 29, 6, 2, 16, 24, torch.float64)
+    q, k, v = q[:, :6, :, :4], k[:, :7, :, :4], v[:, :7, :, :3]  # small, strided slices
+    bias = None if bias is None else bias[..., :6, :7].double()
+    mask = None if mask is None else mask[..., :6, :7]
+    kwargs = {key: (val[:, :6] if key == "q_segment_ids" else val[:, :7] if key == "kv_segment_ids" else val)
+              for key, val in kwargs.items()}
+    if "query_seq_lengths" in kwargs:
+        kwargs["query_seq_lengths"] = torch.tensor([5, 6])
+        kwargs["key_value_seq_lengths"] = torch.tensor([7, 3])
+    inputs = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    if bias is not None:
+        inputs.append(bias.detach().clone().requires_grad_(True))
+
+    def fn(*xs):
+        out, lse = impl(xs[0], xs[1], xs[2], xs[3] if len(xs) > 3 else None, mask, return_residuals=True, **kwargs)
+        return out, lse.masked_fill(lse == -math.inf, 0.0)  # finite differences of -inf are NaN
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6)
+
+
+# ---- torch.library / compile / export -----------------------------------------------------------
+
+def _schema_args(q, k, v, bias=None, mask=None, **kw):
+    return (q, k, v, bias, mask, kw.get("scale"), kw.get("is_causal", False), kw.get("query_seq_lengths"),
+            kw.get("key_value_seq_lengths"), kw.get("local_window_size"), kw.get("logits_soft_cap"),
+            kw.get("q_segment_ids"), kw.get("kv_segment_ids"), kw.get("config"), kw.get("bwd_config"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(impl, dtype):
+    q, k, v = make_qkv(2, 9, 13, 4, 2, 8, 8, dtype, requires_grad=True)
+    bias = torch.randn(4, 9, 13).to(dtype).requires_grad_(True)
+    torch.library.opcheck(impl.op, _schema_args(q, k, v, bias, is_causal=True, logits_soft_cap=3.0))
+    torch.library.opcheck(impl.op, _schema_args(
+        q, k, v, None, torch.rand(9, 13) > 0.3, local_window_size=[3, 1], query_seq_lengths=torch.tensor([9, 4]),
+        q_segment_ids=segment_ids(2, 9, 2), kv_segment_ids=segment_ids(2, 13, 2), config=[4, 8, 2],
+        bwd_config=[2, 16, 2]))
+
+
+def test_opcheck_backward_op():
+    q, k, v = make_qkv(2, 9, 13, 4, 2, 8, 8)
+    bias = torch.randn(4, 9, 13)
+    out, lse = dpa.kernel(q, k, v, bias, is_causal=True, return_residuals=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    torch.library.opcheck(torch.ops.tokamax._dot_product_attention_backward.default, (
+        dout, dlse, q, k, v, bias, None, out, lse, None, True, None, None, None, None, None, None, True, None))
+
+
+def test_compile_fullgraph_matches_eager(impl):
+    q, k, v = make_qkv(2, 24, 24, 4, 2, 16)
+    bias = torch.randn(4, 24, 24)
+
+    def step(q, k, v, bias):
+        out = impl(torch.tanh(q), k * 2.0, v, bias, is_causal=True, local_window_size=(8, 0))
+        return (out.relu() ** 2).sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    results = []
+    for fn in (step, compiled):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v, bias)]
+        loss = fn(*inputs)
+        loss.backward()
+        results.append([loss.detach()] + [x.grad for x in inputs])
+    for eager, comp in zip(*results):
+        torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_dynamic_one_graph(impl):
+    counter = CompileCounterWithBackend("inductor")
+
+    @torch.compile(backend=counter, fullgraph=True, dynamic=True)
+    def fn(q, k, v):
+        return impl(q, k, v, is_causal=True) * 1.5
+
+    for b, t in ((3, 10), (5, 17), (6, 33)):  # sizes no other dimension equals (and not 0 or 1)
+        q, k, v = make_qkv(b, t, t, 4, 2, 8)
+        torch.testing.assert_close(fn(q, k, v), impl(q, k, v, is_causal=True) * 1.5)
+    assert counter.frame_count == 1
+
+
+def test_compile_backward_dynamic(impl):
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=counter, fullgraph=True, dynamic=True)
+    def fn(q, k, v):
+        return impl(q, k, v, is_causal=True).sum()
+
+    for b, t in ((3, 10), (5, 17), (6, 33)):
+        q, k, v = make_qkv(b, t, t, 4, 2, 8, requires_grad=True)
+        fn(q, k, v).backward()
+        ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+        oracle(*ref, is_causal=True)[0].sum().backward()
+        for x, r in zip((q, k, v), ref):
+            assert rel_error(x.grad, r.grad) <= GRAD_TOLERANCE[torch.float32]
+    assert counter.frame_count == 1
+
+
+def test_export_dynamic_t(impl):
+    class Block(torch.nn.Module):
+        def forward(self, q, k, v):
+            return impl(q, k, v, is_causal=True)
+
+    q, k, v = make_qkv(1, 32, 32, 4, 2, 8)
+    t = torch.export.Dim("t", min=2, max=4096)
+    exported = torch.export.export(Block(), (q, k, v), dynamic_shapes=({1: t}, {1: t}, {1: t}))
+    q2, k2, v2 = make_qkv(1, 50, 50, 4, 2, 8)
+    torch.testing.assert_close(exported.module()(q2, k2, v2), impl(q2, k2, v2, is_causal=True))
+    if impl is dpa.kernel:  # the kernel stays one op in the graph; the reference decomposes
+        targets = [n.target for n in exported.graph.nodes if n.op == "call_function"]
+        assert torch.ops.tokamax.dot_product_attention.default in targets
+
+
+# ---- configs ------------------------------------------------------------------------------------
+
+def test_get_configs():
+    q, k, v = make_qkv(1, 64, 64, 8, 2, 32)
+    fwd, bwd = tokamax_torch.get_configs(dpa.kernel, q, k, v, is_causal=True)
+    assert isinstance(fwd, dpa.Config) and isinstance(bwd, dpa.Config)
+    assert fwd == dpa.kernel.config_space(q, k, v, is_causal=True)[0]
+    assert bwd == dpa.kernel.config_space(q, k, v, is_causal=True, product="backward")[0]
+    assert tokamax_torch.get_configs(dpa.reference, q, k, v) == (None, None)
+    assert tokamax_torch.get_configs(dpa.kernel, q, k, v, is_causal=True, from_autotuning_cache=True) == (fwd, bwd)
+    meta = [torch.empty(x, dtype=torch.bfloat16, device="meta") for x in
+            ((8, 32768, 32, 128), (8, 32768, 8, 128), (8, 32768, 8, 128))]
+    big = tokamax_torch.get_configs(dpa.kernel, *meta, is_causal=True)
+    assert all(isinstance(c, dpa.Config) for c in big)
+    decode = tokamax_torch.get_configs(dpa.kernel, *make_qkv(1, 1, 4096, 4, 1, 64))
+    assert decode[0].num_splits > 1  # one query row still uses several threads
+
+
+def test_no_config_is_the_heuristic_config(impl):
+    q, k, v = make_qkv(2, 50, 70, 4, 2, 16, requires_grad=True)
+    kwargs = dict(is_causal=True, logits_soft_cap=5.0)
+    configs = tokamax_torch.get_configs(impl, q, k, v, **kwargs)
+    plain = impl(q, k, v, **kwargs)
+    explicit = impl(q, k, v, configs=configs, **kwargs)
+    assert torch.equal(plain, explicit)
+    dout = torch.randn_like(plain)
+    assert all(torch.equal(x, y) for x, y in zip(torch.autograd.grad(plain, (q, k, v), dout),
+                                                 torch.autograd.grad(explicit, (q, k, v), dout)))
+    with_configs = torch.compile(lambda a, b, c: impl(a, b, c, configs=configs, **kwargs), fullgraph=True)
+    if impl is dpa.kernel:  # one opaque op: the same bits as eager
+        assert torch.equal(with_configs(q, k, v), explicit)
+    else:  # Inductor fuses the reference's ATen ops
+        torch.testing.assert_close(with_configs(q, k, v), explicit)
+
+
+def test_explicit_configs_are_honoured():
+    q, k, v = make_qkv(1, 64, 300, 4, 2, 32, requires_grad=True)
+    want_out = oracle(q, k, v)[0]
+    heuristic = dpa.kernel(q, k, v)
+    dout = torch.randn_like(heuristic)
+    heuristic_grads = torch.autograd.grad(heuristic, (q, k, v), dout)
+    space = dpa.kernel.config_space(q, k, v)
+    assert len(space) > 5 and space[0] == tokamax_torch.get_configs(dpa.kernel, q, k, v)[0]
+    changed_fwd = changed_bwd = False
+    for cfg in space:
+        out = dpa.kernel(q, k, v, configs=(cfg, cfg))
+        assert torch.equal(out, dpa.kernel(q, k, v, configs=(cfg.to_list(), None)))
+        assert rel_error(out, want_out) <= TOLERANCE[torch.float32]
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        # A different kv tiling sums in another order: the bits change when the config reaches
+        # the kernel.
+        changed_fwd |= not torch.equal(out, heuristic)
+        changed_bwd |= any(not torch.equal(g, h) for g, h in zip(grads, heuristic_grads))
+    assert changed_fwd and changed_bwd
+
+
+def test_invalid_config_rejected():
+    with pytest.raises(RuntimeError, match="block_kv must be a multiple of 8"):
+        dpa.Config(block_q=16, block_kv=12, num_splits=1)
+    with pytest.raises(RuntimeError, match="num_splits must be in"):
+        dpa.Config(block_q=16, block_kv=64, num_splits=0)
+    with pytest.raises(TypeError, match="block_q must be an int"):
+        dpa.Config(block_q=1.5, block_kv=64, num_splits=1)
+    q, k, v = make_qkv(1, 8, 8, 2, 1, 8)
+    for impl in IMPLEMENTATIONS:  # checked at the forward call, for both singletons
+        with pytest.raises(RuntimeError, match="expected 3 values"):
+            impl(q, k, v, configs=([16, 64], None))
+        with pytest.raises(RuntimeError, match="bwd_config: dot_product_attention config: block_q"):
+            impl(q.requires_grad_(), k, v, configs=(None, [0, 64, 1]))
+    with pytest.raises(TypeError, match="a config must be a Config"):
+        dpa.kernel(q, k, v, configs=([16.0, 64, 1], None))
+    compiled = torch.compile(lambda a: dpa.kernel(a, k, v, configs=([16, 60, 1], None)), fullgraph=True)
+    with pytest.raises(Exception, match="block_kv"):
+        compiled(q)
+
+
+def test_config_mirrors_cpp_fields():
+    fields = [f.name for f in dataclasses.fields(dpa.Config)]
+    assert fields == list(torch.ops.tokamax._dot_product_attention_config_fields())
+
+
+def test_autotune_and_cache_roundtrip(user_cache):
+    q, k, v = make_qkv(1, 32, 64, 4, 2, 16)
+    result = tokamax_torch.autotune(dpa.kernel, q, k, v, is_causal=True, reps=1, budget_s=5.0)
+    fwd, bwd = result.configs
+    assert isinstance(fwd, dpa.Config) and isinstance(bwd, dpa.Config)
+    assert tokamax_torch.get_configs(dpa.kernel, q, k, v, is_causal=True, from_autotuning_cache=True) == (fwd, bwd)
+
+
+# ---- bad inputs ---------------------------------------------------------------------------------
+
+def _bad_inputs():
+    q, k, v = make_qkv(2, 6, 7, 4, 2, 8)
+    ids_q, ids_k = torch.zeros(2, 6, dtype=torch.int32), torch.zeros(2, 7, dtype=torch.int32)
+    return [
+        ("number of query heads must be a multiple of the number of kv heads, got N = 4 and K = 3",
+         (q, torch.randn(2, 7, 3, 8), torch.randn(2, 7, 3, 8)), {}),
+        (r"key's head dim must equal query's \(8\)", (q, torch.randn(2, 7, 2, 5), v), {}),
+        ("query must be 4-D", (q[0], k, v), {}),
+        ("value must be \\[B, S, K, Hv\\] with S and K of key", (q, k, torch.randn(2, 6, 2, 8)), {}),
+        ("query, key and value must have one dtype", (q, k.double(), v), {}),
+        ("query must be float32, bfloat16, float16 or float64, got Int",
+         (q.int(), k.int(), v.int()), {}),
+        (r"bias must be broadcastable to \[B, N, T, S\]", (q, k, v, torch.randn(4, 6, 6)), {}),
+        (r"mask must be broadcastable to \[B, N, T, S\]", (q, k, v, None, torch.ones(3, 4, 6, 7, dtype=torch.bool)), {}),
+        ("mask must be bool", (q, k, v, None, torch.ones(6, 7)), {}),
+        ("q_segment_ids must be int32, got Long", (q, k, v), {"q_segment_ids": ids_q.long(), "kv_segment_ids": ids_k}),
+        (r"kv_segment_ids must have shape \[B, S\] = \[2, 7\]", (q, k, v), {"q_segment_ids": ids_q, "kv_segment_ids": ids_q}),
+        ("q_segment_ids and kv_segment_ids must be given together", (q, k, v), {"q_segment_ids": ids_q}),
+        ("logits_soft_cap must be a positive finite number, got 0", (q, k, v), {"logits_soft_cap": 0.0}),
+        ("logits_soft_cap must be a positive finite number, got -1", (q, k, v), {"logits_soft_cap": -1.0}),
+        (r"local_window_size must be non-negative, got \(-1, 2\)", (q, k, v), {"local_window_size": (-1, 2)}),
+        ("query_seq_lengths must have B = 2 entries", (q, k, v), {"query_seq_lengths": torch.tensor([1, 2, 3])}),
+        ("key_value_seq_lengths must be int32 or int64", (q, k, v), {"key_value_seq_lengths": torch.tensor([1.0, 2.0])}),
+    ]
+
+
+# Value checks: only the kernel reads length values (the reference treats them as masks).
+_VALUE_ERRORS = [
+    (r"query_seq_lengths must lie in \[0, 6\], got query_seq_lengths\[1\] = 7", {"query_seq_lengths": torch.tensor([1, 7])}),
+    (r"key_value_seq_lengths must lie in \[0, 7\], got key_value_seq_lengths\[0\] = -1",
+     {"key_value_seq_lengths": torch.tensor([-1, 2])}),
+]
+
+
+@pytest.mark.parametrize("message,args,kwargs", _bad_inputs(), ids=lambda x: x if isinstance(x, str) else "")
+def test_bad_inputs_raise_before_compute(impl, message, args, kwargs):
+    with pytest.raises(RuntimeError, match=message):
+        impl(*args, **kwargs)
+
+
+@pytest.mark.parametrize("message,kwargs", _VALUE_ERRORS, ids=lambda x: x if isinstance(x, str) else "")
+def test_bad_length_values(message, kwargs):
+    q, k, v = make_qkv(2, 6, 7, 4, 2, 8)
+    with pytest.raises(RuntimeError, match=message):
+        dpa.kernel(q, k, v, **kwargs)
+    compiled = torch.compile(lambda a, b, c: dpa.kernel(a, b, c, **kwargs), fullgraph=True)
+    with pytest.raises(Exception, match=message):
+        compiled(q, k, v)
+
+
+def test_python_argument_errors():
+    q, k, v = make_qkv(1, 4, 4, 2, 1, 8)
+    with pytest.raises(TypeError, match="local_window_size must be an int w"):
+        dpa.kernel(q, k, v, local_window_size=(1, 2, 3))
+    with pytest.raises(TypeError, match="configs must be a \\(fwd, bwd\\) pair"):
+        dpa.kernel(q, k, v, configs=dpa.Config(8, 64, 1))
+
+
+@pytest.mark.parametrize("message,args,kwargs", _bad_inputs()[:8], ids=lambda x: x if isinstance(x, str) else "")
+def test_bad_inputs_raise_under_compile(impl, message, args, kwargs):
+    compiled = torch.compile(lambda *a: impl(*a, **kwargs), fullgraph=True)
+    with pytest.raises(Exception, match=message):
+        compiled(*args)
