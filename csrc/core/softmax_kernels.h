@@ -1,4 +1,5 @@
-// Column-wise softmax pieces on fp32 tiles, one set per ISA tier.
+// Attention's vector pieces, one set per ISA tier: column-wise softmax on fp32 tiles, and the
+// row-wise products of the few-row (decode) path.
 //
 // Attention keeps its logits transposed, x[key][query row] (keys are the rows of the GEMM that
 // makes them), so every per-query reduction runs down a column and vectorizes across queries
@@ -7,6 +8,7 @@
 
 #include <cstdint>
 
+#include "csrc/core/dtype.h"
 #include "csrc/core/isa.h"
 
 namespace tokamax {
@@ -22,7 +24,18 @@ struct SoftmaxKernels {
   // dp[r][c] = p[r][c] * (dp[r][c] - d[c]): the softmax gradient given dp = dO·Vᵀ.
   void (*softmax_grad_columns)(const float* p, float* dp, int64_t rows, int64_t ld, int64_t cols,
                                const float* d);
+  // st[j * ld_st + r] = sum_h key[j][h] * q[r][h] for j < keys, r < rows (at most
+  // kMaxRowDotRows): key rows of `dtype` at key + j * ld_key, contiguous along h; q fp32 rows
+  // of length depth at q + r * ld_q. Reads each key row once, so it streams K at memory speed.
+  void (*key_dots)(DType dtype, const void* key, int64_t ld_key, int64_t keys, int64_t depth, const float* q,
+                   int64_t ld_q, int64_t rows, float* st, int64_t ld_st);
+  // acc[r][e] += sum_j p[j * ld_p + r] * value[j][e] for r < rows, e < width: value rows of
+  // `dtype` at value + j * ld_value, contiguous along e; acc fp32 rows at acc + r * ld_acc.
+  void (*accumulate_values)(DType dtype, const float* p, int64_t ld_p, int64_t keys, int64_t rows,
+                            const void* value, int64_t ld_value, int64_t width, float* acc, int64_t ld_acc);
 };
+
+constexpr int64_t kMaxRowDotRows = 8;
 
 const SoftmaxKernels& GetSoftmaxKernels(Isa isa);
 

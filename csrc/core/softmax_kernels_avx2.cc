@@ -43,7 +43,8 @@ inline Vec Exp(Vec x) {
 
 const SoftmaxKernels& SoftmaxKernelsAvx2() {
   using namespace softmax_avx2;
-  static const SoftmaxKernels kernels = {&ColumnMax, &ExpColumns, &SoftmaxGradColumns};
+  static const SoftmaxKernels kernels = {&ColumnMax, &ExpColumns, &SoftmaxGradColumns, &KeyDots,
+                                           &AccumulateValues};
   return kernels;
 }
 

@@ -39,7 +39,8 @@ inline Vec Exp(Vec x) {
 
 const SoftmaxKernels& SoftmaxKernelsAvx512() {
   using namespace softmax_avx512;
-  static const SoftmaxKernels kernels = {&ColumnMax, &ExpColumns, &SoftmaxGradColumns};
+  static const SoftmaxKernels kernels = {&ColumnMax, &ExpColumns, &SoftmaxGradColumns, &KeyDots,
+                                           &AccumulateValues};
   return kernels;
 }
 

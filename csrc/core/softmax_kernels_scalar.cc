@@ -24,7 +24,8 @@ inline Vec Exp(Vec x) { return x < kExpFlushBelow ? 0.0f : std::exp(x); }
 
 const SoftmaxKernels& SoftmaxKernelsScalar() {
   using namespace softmax_scalar;
-  static const SoftmaxKernels kernels = {&ColumnMax, &ExpColumns, &SoftmaxGradColumns};
+  static const SoftmaxKernels kernels = {&ColumnMax, &ExpColumns, &SoftmaxGradColumns, &KeyDots,
+                                           &AccumulateValues};
   return kernels;
 }
 

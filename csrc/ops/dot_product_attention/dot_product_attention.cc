@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -137,6 +138,44 @@ ConstMatrix KvMatrix(const Tensor4View& x, int64_t b, int64_t kv_head, int64_t s
   return {ElementAddress(x, b, s0, kv_head, 0), x.dtype, rows, x.sizes[3], x.strides[1], x.strides[3]};
 }
 
+// K or V of every (batch, kv head), packed once per call tile by tile as a GEMM operand (A:
+// mr-row panels, depth = head dim; B: nr-wide panels, depth = keys). Packing transposes K, the
+// costliest copy of the kernel; doing it once instead of once per query block pays whenever
+// more than one query block reads each tile. Memory: an fp32 copy of K or V (O(S), never T·S).
+class PackedKvTiles {
+ public:
+  void Pack(const GemmKernels& gemm, const Tensor4View& x, int64_t block, bool as_a) {
+    const int64_t batch = x.sizes[0], kv_len = x.sizes[1], kv_heads = x.sizes[2], cols = x.sizes[3];
+    block_ = block;
+    tiles_per_head_ = CeilDiv(kv_len, block);
+    tile_floats_ = as_a ? RoundUp(block, gemm.mr) * cols : block * RoundUp(cols, gemm.nr);
+    const int64_t tiles = batch * kv_heads * tiles_per_head_;
+    data_.reset(new float[std::max<int64_t>(tiles * tile_floats_, 1)]);  // every used float is written below
+    ParallelFor(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t head = i / tiles_per_head_, s0 = (i % tiles_per_head_) * block;
+        const int64_t keys = std::min(block, kv_len - s0);
+        const ConstMatrix m = KvMatrix(x, head / kv_heads, head % kv_heads, s0, keys);
+        float* dst = data_.get() + i * tile_floats_;
+        if (as_a) {
+          gemm.pack_a(m, 0, keys, 0, cols, dst);
+        } else {
+          gemm.pack_b(m, 0, keys, 0, cols, dst);
+        }
+      }
+    });
+  }
+  bool packed() const { return data_ != nullptr; }
+  // The tile starting at key s0 of kv head `kv_head` of batch b.
+  const float* Tile(int64_t b, int64_t kv_heads, int64_t kv_head, int64_t s0) const {
+    return data_.get() + ((b * kv_heads + kv_head) * tiles_per_head_ + s0 / block_) * tile_floats_;
+  }
+
+ private:
+  std::unique_ptr<float[]> data_;
+  int64_t block_ = 1, tiles_per_head_ = 0, tile_floats_ = 0;
+};
+
 // c (+)= a_panels · b_panels over whole tiles: `row_panels` mr-row panels of packed A (depth
 // `depth`) times `col_panels` nr-wide panels of packed B.
 void TileGemm(const GemmKernels& kernels, int64_t depth, const float* a, int64_t row_panels, const float* b,
@@ -254,9 +293,15 @@ struct SplitPartials {
 };
 
 struct ForwardScratch {
-  std::vector<float> q_panels, k_panels, st, p_panels, v_panels, acc, max, sum, sub, tile_max;
+  std::vector<float> q_panels, q_rows, k_panels, st, p_panels, v_panels, acc, max, sum, sub, tile_max;
   RowMasks row_masks;
 };
+
+// Few rows (decode: one position times the group): a GEMM tile would be mostly padding and
+// packing K would cost more than reading it, so the row path streams K and V rows in place.
+bool UseRowDots(const DotProductAttentionParams& p, int64_t rows, const PackedKvTiles& packed_k) {
+  return rows <= kMaxRowDotRows && p.k.strides[3] == 1 && p.v.strides[3] == 1 && !packed_k.packed();
+}
 
 void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, int64_t n, const float* acc, float sum,
                     float max) {
@@ -275,7 +320,8 @@ void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, in
 
 void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernels& k,
                  const DotProductAttentionConfig& config, const TaskRows& rows, int64_t kv_begin, int64_t kv_end,
-                 int64_t split, SplitPartials* partials, ForwardScratch& s) {
+                 int64_t split, SplitPartials* partials, const PackedKvTiles& packed_k,
+                 const PackedKvTiles& packed_v, ForwardScratch& s) {
   const GemmKernels& gemm = *k.gemm;
   const int64_t mr = gemm.mr, nr = gemm.nr;
   const int64_t count = rows.count();
@@ -299,14 +345,37 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   std::fill(sum, sum + cols, 0.0f);
 
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
-  PackRowsTransposed(p.q, rows, d.head_dim, p.scale, nr, q_panels);
+  const bool row_dots = UseRowDots(p, count, packed_k);
+  float* q_rows = nullptr;
+  if (row_dots) {
+    q_rows = Scratch(s.q_rows, count * d.head_dim);
+    for (int64_t r = 0; r < count; ++r) {
+      for (int64_t h = 0; h < d.head_dim; ++h) {
+        q_rows[r * d.head_dim + h] = p.scale * attention::LoadElement(p.q, rows.b, rows.t(r), rows.n(r), h);
+      }
+    }
+    // Columns past the rows are never written by key_dots; keep them finite for the softmax.
+    std::fill(st, st + RoundUp(block, mr) * cols, 0.0f);
+  } else {
+    PackRowsTransposed(p.q, rows, d.head_dim, p.scale, nr, q_panels);
+  }
   for (int64_t s0 = kv_begin; s0 < kv_end; s0 += block) {
     const int64_t keys = std::min(block, kv_end - s0);
     const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, rows.b, s0, s0 + keys);
     if (visibility == TileVisibility::kNone) continue;
     // st = K_tile · (scale·Q)ᵀ, then the logits' epilogue and masks.
-    gemm.pack_a(KvMatrix(p.k, rows.b, rows.kv_head, s0, keys), 0, keys, 0, d.head_dim, k_panels);
-    TileGemm(gemm, d.head_dim, k_panels, CeilDiv(keys, mr), q_panels, cols / nr, st, cols, false);
+    if (row_dots) {
+      k.softmax->key_dots(p.k.dtype, ElementAddress(p.k, rows.b, s0, rows.kv_head, 0), p.k.strides[1], keys,
+                          d.head_dim, q_rows, d.head_dim, count, st, cols);
+    } else {
+      const float* k_tile = k_panels;
+      if (packed_k.packed()) {
+        k_tile = packed_k.Tile(rows.b, d.kv_heads, rows.kv_head, s0);
+      } else {
+        gemm.pack_a(KvMatrix(p.k, rows.b, rows.kv_head, s0, keys), 0, keys, 0, d.head_dim, k_panels);
+      }
+      TileGemm(gemm, d.head_dim, k_tile, CeilDiv(keys, mr), q_panels, cols / nr, st, cols, false);
+    }
     FinishLogits(p, rows, s.row_masks, s0, keys, visibility, st, cols, nullptr);
     // Online softmax: new running max, rescale what was accumulated, exponentiate the tile.
     std::fill(tile_max, tile_max + cols, kNegInf);
@@ -326,11 +395,22 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
       }
     }
     k.softmax->exp_columns(st, keys, cols, cols, sub, sum);
+    if (row_dots) {
+      k.softmax->accumulate_values(p.v.dtype, st, cols, keys, count,
+                                   ElementAddress(p.v, rows.b, s0, rows.kv_head, 0), p.v.strides[1], d.value_dim,
+                                   acc, ld_acc);
+      continue;
+    }
     // acc += P · V_tile, with P = stᵀ read straight down its columns by the A packer.
     const ConstMatrix probs{st, DType::kFloat32, count, keys, 1, cols};
     gemm.pack_a(probs, 0, count, 0, keys, p_panels);
-    gemm.pack_b(KvMatrix(p.v, rows.b, rows.kv_head, s0, keys), 0, keys, 0, d.value_dim, v_panels);
-    TileGemm(gemm, keys, p_panels, row_panels, v_panels, ld_acc / nr, acc, ld_acc, true);
+    const float* v_tile = v_panels;
+    if (packed_v.packed()) {
+      v_tile = packed_v.Tile(rows.b, d.kv_heads, rows.kv_head, s0);
+    } else {
+      gemm.pack_b(KvMatrix(p.v, rows.b, rows.kv_head, s0, keys), 0, keys, 0, d.value_dim, v_panels);
+    }
+    TileGemm(gemm, keys, p_panels, row_panels, v_tile, ld_acc / nr, acc, ld_acc, true);
   }
   for (int64_t r = 0; r < count; ++r) {
     const int64_t t = rows.t(r), n = rows.n(r);
@@ -384,7 +464,9 @@ struct BackwardScratch {
 // partial sums go to dk_acc/dv_acc ([S + mr rows] x ld, this chunk's own).
 void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const Kernels& k,
                   const DotProductAttentionConfig& config, int64_t b, int64_t kv_head, int64_t qb_begin,
-                  int64_t qb_end, float* dk_acc, int64_t ld_dk, float* dv_acc, int64_t ld_dv, BackwardScratch& s) {
+                  int64_t qb_end, float* dk_acc, int64_t ld_dk, float* dv_acc, int64_t ld_dv,
+                  const PackedKvTiles& packed_k, const PackedKvTiles& packed_v, const PackedKvTiles& packed_k_rows,
+                  BackwardScratch& s) {
   const DotProductAttentionParams& p = g.forward;
   const Tensor4View out = AsConst(p.out);
   const GemmKernels& gemm = *k.gemm;
@@ -453,16 +535,26 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
       }
       const int64_t key_panels = CeilDiv(keys, mr);
       // P = exp(logits - lse), recomputed.
-      gemm.pack_a(KvMatrix(p.k, b, kv_head, s0, keys), 0, keys, 0, d.head_dim, k_panels);
-      TileGemm(gemm, d.head_dim, k_panels, key_panels, q_panels, cols / nr, st, cols, false);
+      const float* k_tile = k_panels;
+      if (packed_k.packed()) {
+        k_tile = packed_k.Tile(b, d.kv_heads, kv_head, s0);
+      } else {
+        gemm.pack_a(KvMatrix(p.k, b, kv_head, s0, keys), 0, keys, 0, d.head_dim, k_panels);
+      }
+      TileGemm(gemm, d.head_dim, k_tile, key_panels, q_panels, cols / nr, st, cols, false);
       FinishLogits(p, rows, s.row_masks, s0, keys, visibility, st, cols, tanh_values);
       k.softmax->exp_columns(st, keys, cols, cols, lse_sub, nullptr);
       // dV_tile += P · dO.
       gemm.pack_a({st, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
       TileGemm(gemm, count, a_panels, key_panels, do_rows, ld_dv / nr, dv_acc + s0 * ld_dv, ld_dv, true);
       // dPᵀ = V_tile · dOᵀ; dS = P ∘ (dP - delta), times the soft cap's derivative.
-      gemm.pack_a(KvMatrix(p.v, b, kv_head, s0, keys), 0, keys, 0, d.value_dim, v_panels);
-      TileGemm(gemm, d.value_dim, v_panels, key_panels, do_panels, cols / nr, dpt, cols, false);
+      const float* v_tile = v_panels;
+      if (packed_v.packed()) {
+        v_tile = packed_v.Tile(b, d.kv_heads, kv_head, s0);
+      } else {
+        gemm.pack_a(KvMatrix(p.v, b, kv_head, s0, keys), 0, keys, 0, d.value_dim, v_panels);
+      }
+      TileGemm(gemm, d.value_dim, v_tile, key_panels, do_panels, cols / nr, dpt, cols, false);
       k.softmax->softmax_grad_columns(st, dpt, keys, cols, cols, delta);
       if (tanh_values != nullptr) {
         for (int64_t j = 0; j < keys; ++j) {
@@ -479,8 +571,13 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
       gemm.pack_a({dpt, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
       TileGemm(gemm, count, a_panels, key_panels, q_rows, ld_dk / nr, dk_acc + s0 * ld_dk, ld_dk, true);
       gemm.pack_a({dpt, DType::kFloat32, count, keys, 1, cols}, 0, count, 0, keys, a_panels);
-      gemm.pack_b(KvMatrix(p.k, b, kv_head, s0, keys), 0, keys, 0, d.head_dim, k_rows);
-      TileGemm(gemm, keys, a_panels, row_panels, k_rows, ld_dq / nr, dq_acc, ld_dq, true);
+      const float* k_rows_tile = k_rows;
+      if (packed_k_rows.packed()) {
+        k_rows_tile = packed_k_rows.Tile(b, d.kv_heads, kv_head, s0);
+      } else {
+        gemm.pack_b(KvMatrix(p.k, b, kv_head, s0, keys), 0, keys, 0, d.head_dim, k_rows);
+      }
+      TileGemm(gemm, keys, a_panels, row_panels, k_rows_tile, ld_dq / nr, dq_acc, ld_dq, true);
     }
     for (int64_t r = 0; r < count; ++r) {
       for (int64_t h = 0; h < d.head_dim; ++h) {
@@ -520,6 +617,11 @@ Status DotProductAttention(const DotProductAttentionParams& p, const DotProductA
     partials.max.assign(rows, kNegInf);
     partials.sum.assign(rows, 0.0f);
   }
+  PackedKvTiles packed_k, packed_v;
+  if (q_blocks > 1) {  // several query blocks read each kv tile: pack K and V once
+    packed_k.Pack(*k.gemm, p.k, config.block_kv, /*as_a=*/true);
+    packed_v.Pack(*k.gemm, p.v, config.block_kv, /*as_a=*/false);
+  }
   // Tasks are pulled from a shared counter, latest query blocks first: under a causal mask they
   // are the longest, and starting them first balances the threads.
   const int64_t num_tasks = d.batch * d.kv_heads * q_blocks * splits;
@@ -538,7 +640,8 @@ Status DotProductAttention(const DotProductAttentionParams& p, const DotProductA
       rows.positions = std::min(config.block_q, d.q_len - rows.t0);
       const int64_t kv_begin = (kv_blocks * split / splits) * config.block_kv;
       const int64_t kv_end = std::min(d.kv_len, (kv_blocks * (split + 1) / splits) * config.block_kv);
-      ForwardTask(p, d, k, config, rows, kv_begin, kv_end, split, splits > 1 ? &partials : nullptr, scratch);
+      ForwardTask(p, d, k, config, rows, kv_begin, kv_end, split, splits > 1 ? &partials : nullptr, packed_k,
+                  packed_v, scratch);
     }
   });
   if (splits > 1) {
@@ -583,6 +686,12 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
     float* dbias = static_cast<float*>(g.dbias);
     std::fill(dbias, dbias + d.batch * d.q_heads * d.q_len * d.kv_len, 0.0f);
   }
+  PackedKvTiles packed_k, packed_v, packed_k_rows;
+  if (q_blocks > 1 && d.kv_len > 0) {  // several query blocks read each kv tile: pack once
+    packed_k.Pack(*k.gemm, p.k, config.block_kv, /*as_a=*/true);
+    packed_v.Pack(*k.gemm, p.v, config.block_kv, /*as_a=*/true);
+    packed_k_rows.Pack(*k.gemm, p.k, config.block_kv, /*as_a=*/false);
+  }
   const int64_t num_tasks = heads * splits;
   std::atomic<int64_t> next{0};
   ParallelFor(0, num_tasks, 1, [&](int64_t, int64_t) {
@@ -593,7 +702,7 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
       float* dk = dk_acc.data() + (split * heads + head) * acc_rows * ld_dk;
       float* dv = dv_acc.data() + (split * heads + head) * acc_rows * ld_dv;
       BackwardTask(g, d, k, config, head / d.kv_heads, head % d.kv_heads, qb_begin, qb_end, dk, ld_dk, dv, ld_dv,
-                   scratch);
+                   packed_k, packed_v, packed_k_rows, scratch);
     }
   });
   // dk, dv = the splits' partial sums, added in split order.

@@ -1,0 +1,282 @@
+"""dot_product_attention benchmark: the tokamax kernel against F.scaled_dot_product_attention.
+
+Every case runs both side by side in one process. SDPA gets the equivalent inputs: [B, N, T, H]
+transposed views (no copies), enable_gqa=True, and an explicit dense bool mask where it has no
+argument for the feature (sliding windows, packed segments). Reported per case: median time,
+useful GFLOP/s (visible (query, key) pairs only) and the fraction of the fp32 FMA peak measured
+in this run, or for decode the read bandwidth of K and V against the measured read ceiling; and
+the peak resident-memory growth of one call. Writes benchmarks/results/attention.json.
+
+    python benchmarks/attention.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import math
+import pathlib
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import tokamax_torch  # noqa: E402
+
+
+# ---- peak memory --------------------------------------------------------------------------------
+
+def _status_kib(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _libc():
+    """glibc, told to serve every allocation over 128 KiB by a fresh mmap (a fixed threshold
+    turns off its adaptive one), so freed buffers are returned to the OS instead of reused and
+    each call's working memory shows up in the resident set."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = None  # set by main() after every timing, since fresh mmaps slow allocation down
+
+
+def peak_memory_mib(fn) -> float:
+    """Growth of the resident set's high-water mark during fn() (Linux: clear_refs resets it).
+    Counts every allocation, the kernels' own scratch included, not only torch tensors."""
+    if _LIBC is None:
+        return float("nan")
+    _LIBC.malloc_trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return float("nan")
+    before = _status_kib("VmRSS")
+    fn()
+    return max(_status_kib("VmHWM") - before, 0) / 1024
+
+
+# ---- cases --------------------------------------------------------------------------------------
+
+def visible_pairs(t, s, *, causal=False, window=None, segments=None) -> int:
+    i = torch.arange(t)[:, None]
+    j = torch.arange(s)[None, :]
+    visible = torch.ones(t, s, dtype=torch.bool)
+    if causal:
+        visible &= j <= i
+    if window is not None:
+        visible &= (j >= i - window[0]) & (j <= i + window[1])
+    if segments is not None:
+        visible &= (i * segments // t) == (j * segments // s)
+    return int(visible.sum())
+
+
+def dense_mask(t, s, *, window=None, segments=None):
+    i = torch.arange(t)[:, None]
+    j = torch.arange(s)[None, :]
+    visible = torch.ones(t, s, dtype=torch.bool)
+    if window is not None:
+        visible &= (j >= i - window[0]) & (j <= i + window[1])
+    if segments is not None:
+        visible &= (i * segments // t) == (j * segments // s)
+    return visible
+
+
+def segment_ids(b, length, segments):
+    return (torch.arange(length) * segments // length).to(torch.int32).repeat(b, 1)
+
+
+def make_case(name, b, t, s, n, k, h, dtype, *, causal=False, window=None, segments=None):
+    return dict(name=name, b=b, t=t, s=s, n=n, k=k, h=h, dtype=dtype, causal=causal, window=window,
+                segments=segments)
+
+
+def cases(quick: bool):
+    scale = 2 if quick else 1
+    f32, bf16 = torch.float32, torch.bfloat16
+    prefill = dict(b=1, t=2048 // scale, s=2048 // scale, h=128)
+    long = dict(b=1, t=4096 // scale, s=4096 // scale, n=16, k=16, h=128)
+    return [
+        make_case("prefill causal", n=16, k=16, dtype=f32, causal=True, **prefill),
+        make_case("prefill causal", n=16, k=16, dtype=bf16, causal=True, **prefill),
+        make_case("prefill causal GQA 32/8", n=32, k=8, dtype=f32, causal=True, **prefill),
+        make_case("window (256, 0)", dtype=f32, window=(256, 0), **long),
+        make_case("8 packed segments", dtype=f32, segments=8, **long),
+    ]
+
+
+def tokamax_call(c, q, k, v):
+    kwargs = {}
+    if c["causal"]:
+        kwargs["is_causal"] = True
+    if c["window"] is not None:
+        kwargs["local_window_size"] = c["window"]
+    if c["segments"] is not None:
+        kwargs["q_segment_ids"] = segment_ids(c["b"], c["t"], c["segments"])
+        kwargs["kv_segment_ids"] = segment_ids(c["b"], c["s"], c["segments"])
+    return lambda: tokamax_torch.dot_product_attention(q, k, v, **kwargs)
+
+
+def sdpa_call(c, q, k, v):
+    mask = None
+    if c["window"] is not None or c["segments"] is not None:
+        mask = dense_mask(c["t"], c["s"], window=c["window"], segments=c["segments"])
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+    return lambda: F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=c["causal"],
+                                                  enable_gqa=True).transpose(1, 2)
+
+
+def run_case(c, backward: bool, reps: int, memory_only: bool = False) -> list[dict]:
+    torch.manual_seed(0)
+    q = torch.randn(c["b"], c["t"], c["n"], c["h"]).to(c["dtype"])
+    k = torch.randn(c["b"], c["s"], c["k"], c["h"]).to(c["dtype"])
+    v = torch.randn(c["b"], c["s"], c["k"], c["h"]).to(c["dtype"])
+    pairs = visible_pairs(c["t"], c["s"], causal=c["causal"], window=c["window"], segments=c["segments"])
+    # Two GEMMs forward (q·k, p·v), five backward (recompute, dV, dP, dQ, dK): 2 flops per MAC.
+    flops = 2 * 2 * c["b"] * c["n"] * c["h"] * pairs * (3.5 if backward else 1.0)
+    rows = []
+    for impl, make in (("tokamax", tokamax_call), ("sdpa", sdpa_call)):
+        inputs = [x.detach().requires_grad_(backward) for x in (q, k, v)]
+        call = make(c, *inputs)
+        if backward:
+            dout = torch.randn(c["b"], c["t"], c["n"], c["h"]).to(c["dtype"])
+
+            def step(call=call, inputs=inputs, dout=dout):
+                torch.autograd.grad(call(), inputs, dout)
+        else:
+            def step(call=call):
+                with torch.no_grad():
+                    call()
+        if memory_only:
+            step()
+            rows.append(dict(case=c["name"], dtype=str(c["dtype"]).removeprefix("torch."),
+                             pass_="fwd+bwd" if backward else "fwd", impl=impl, peak_mib=peak_memory_mib(step)))
+            continue
+        timing = common.time_fn(step, warmup=1, reps=reps)
+        rows.append(dict(case=c["name"], dtype=str(c["dtype"]).removeprefix("torch."),
+                         pass_="fwd+bwd" if backward else "fwd", impl=impl, **timing,
+                         gflops=flops / timing["median_ms"] * 1e-6,
+                         shape=f"B={c['b']} T={c['t']} S={c['s']} N={c['n']} K={c['k']} H={c['h']}"))
+    return rows
+
+
+def run_decode(reps: int, read_gbps: float, l3_bytes: int, quick: bool) -> list[dict]:
+    """T=1, S=4096, N=32, K=8, H=128: rotates over enough KV caches to exceed the last-level
+    cache, so each call streams K and V from DRAM as in serving."""
+    b, s, n, kh, h = 1, 4096, 32, 8, 128
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        kv_bytes = 2 * b * s * kh * h * torch.tensor([], dtype=dtype).element_size()
+        copies = max(2, math.ceil(2 * l3_bytes / kv_bytes)) if not quick else 2
+        torch.manual_seed(0)
+        q = torch.randn(b, 1, n, h).to(dtype)
+        caches = [(torch.randn(b, s, kh, h).to(dtype), torch.randn(b, s, kh, h).to(dtype)) for _ in range(copies)]
+        for impl in ("tokamax", "sdpa"):
+            state = {"i": 0}
+
+            def step(impl=impl, state=state):
+                k, v = caches[state["i"] % copies]
+                state["i"] += 1
+                with torch.no_grad():
+                    if impl == "tokamax":
+                        tokamax_torch.dot_product_attention(q, k, v)
+                    else:
+                        F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                       enable_gqa=True)
+            timing = common.time_fn(step, warmup=copies, reps=max(reps, 3 * copies))
+            gbps = kv_bytes / timing["median_ms"] * 1e-6
+            rows.append(dict(case="decode", dtype=str(dtype).removeprefix("torch."), pass_="fwd", impl=impl,
+                             **timing, gbps=gbps, bw_fraction=gbps / read_gbps,
+                             shape=f"B={b} T=1 S={s} N={n} K={kh} H={h}, {copies} KV caches"))
+        del caches
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="half-size problems, fewer repetitions")
+    args = parser.parse_args()
+    reps = 2 if args.quick else 3
+    info = common.machine()
+    ceilings = common.measure_ceilings()
+    print(f"machine: {info['cpu']} ({info['device_kind']}), {info['threads']} threads, torch {info['torch']}")
+    print(f"ceilings (measured now): fp32 FMA peak {ceilings['fma_gflops']:.1f} GFLOP/s ({ceilings['isa']}), "
+          f"{ceilings['fma_avx2_gflops']:.1f} with AVX2; read bandwidth {ceilings['read_gbps']:.1f} GB/s")
+    header = f"{'case':<25}{'dtype':<10}{'pass':<9}{'impl':<9}{'ms':>9}{'GFLOP/s':>9}{'%peak':>7}{'peak MiB':>10}"
+    print(header)
+    print("-" * len(header))
+    rows = []
+    runs = [(c, backward) for c in cases(args.quick) for backward in (False, True)
+            if not (c["dtype"] == torch.bfloat16 and backward and args.quick)]
+    for c, backward in runs:
+        rows.extend(run_case(c, backward, reps))
+    decode = run_decode(reps, ceilings["read_gbps"], info["l1d_l2_l3_bytes"][2], args.quick)
+    # Peak memory last, in its own pass: it makes glibc return every freed buffer to the OS.
+    global _LIBC
+    _LIBC = _libc()
+    memory = [m for c, backward in runs for m in run_case(c, backward, reps, memory_only=True)]
+    for r, m in zip(rows, memory):
+        r["peak_mib"] = m["peak_mib"]
+        print(f"{r['case']:<25}{r['dtype']:<10}{r['pass_']:<9}{r['impl']:<9}{r['median_ms']:>9.1f}"
+              f"{r['gflops']:>9.1f}{100 * r['gflops'] / ceilings['fma_gflops']:>6.1f}%{r['peak_mib']:>10.1f}")
+    for r in decode:
+        rows.append(r)
+        print(f"{r['case']:<25}{r['dtype']:<10}{r['pass_']:<9}{r['impl']:<9}{r['median_ms']:>9.2f}"
+              f"{r['gbps']:>7.1f}GB/s {100 * r['bw_fraction']:>4.0f}%bw   (peak memory not measured)")
+    print_targets(rows, args.quick)
+    path = common.write_json("attention", {"machine": info, "ceilings": ceilings, "quick": args.quick, "rows": rows})
+    print(f"wrote {path}")
+
+
+def _time(rows, **match):
+    for r in rows:
+        if all(r[k] == v for k, v in match.items()):
+            return r
+    return None
+
+
+def print_targets(rows, quick: bool) -> None:
+    print("\ntargets (speed-up over SDPA in this run; decode: fraction of measured read bandwidth):")
+    if quick:
+        print("  (--quick: half-size problems; the targets are stated for the full sizes)")
+
+    def speedup(case, dtype, pass_, target):
+        ours = _time(rows, case=case, dtype=dtype, pass_=pass_, impl="tokamax")
+        theirs = _time(rows, case=case, dtype=dtype, pass_=pass_, impl="sdpa")
+        if ours is None or theirs is None:
+            print(f"  {case} {dtype} {pass_}: not measured")
+            return
+        ratio = theirs["median_ms"] / ours["median_ms"]
+        print(f"  {case} {dtype} {pass_}: {ratio:.2f}x (target >= {target}x) {'MET' if ratio >= target else 'MISSED'}"
+              f"; peak memory {ours['peak_mib']:.0f} MiB vs SDPA {theirs['peak_mib']:.0f} MiB")
+
+    speedup("prefill causal", "float32", "fwd", 1.2)
+    speedup("prefill causal", "float32", "fwd+bwd", 1.2)
+    speedup("prefill causal", "bfloat16", "fwd", 2.0)
+    speedup("prefill causal", "bfloat16", "fwd+bwd", 2.0)
+    speedup("prefill causal GQA 32/8", "float32", "fwd", 1.5)
+    speedup("prefill causal GQA 32/8", "float32", "fwd+bwd", 1.5)
+    speedup("window (256, 0)", "float32", "fwd", 3.0)
+    speedup("window (256, 0)", "float32", "fwd+bwd", 3.0)
+    speedup("8 packed segments", "float32", "fwd", 3.0)
+    speedup("8 packed segments", "float32", "fwd+bwd", 3.0)
+    for dtype in ("float32", "bfloat16"):
+        r = _time(rows, case="decode", dtype=dtype, impl="tokamax")
+        s = _time(rows, case="decode", dtype=dtype, impl="sdpa")
+        print(f"  decode {dtype}: {100 * r['bw_fraction']:.0f}% of read bandwidth (target >= 70%) "
+              f"{'MET' if r['bw_fraction'] >= 0.7 else 'MISSED'}; SDPA {100 * s['bw_fraction']:.0f}%")
+
+
+if __name__ == "__main__":
+    main()
