@@ -22,6 +22,7 @@ test-python:
 
 bench: setup
 	$(PY) benchmarks/ragged_dot.py
+	$(PY) benchmarks/attention.py
 
 clean:
 	rm -rf build tokamax_torch/_C.so
