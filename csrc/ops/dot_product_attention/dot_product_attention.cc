@@ -75,6 +75,19 @@ Status CheckTile(const DotProductAttentionConfig& config, int64_t group) {
   return Status::Ok();
 }
 
+// view[i0, i1, i2, e] = scale * values[e] for e < count, converted to the view's dtype (one
+// dtype dispatch per row, not per element).
+void StoreRow(const MutableTensor4View& view, int64_t i0, int64_t i1, int64_t i2, const float* values,
+              int64_t count, float scale) {
+  DispatchDType(view.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    T* dst = static_cast<T*>(view.data) + i0 * view.strides[0] + i1 * view.strides[1] + i2 * view.strides[2];
+    const int64_t step = view.strides[3];
+    for (int64_t e = 0; e < count; ++e) StoreFromFloat(dst + e * step, scale * values[e]);
+    return 0;
+  });
+}
+
 // Grow-only per-thread scratch; resized, never shrunk, so steady-state calls do not allocate.
 float* Scratch(std::vector<float>& buffer, int64_t floats) {
   if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
@@ -579,11 +592,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
       }
       TileGemm(gemm, keys, a_panels, row_panels, k_rows_tile, ld_dq / nr, dq_acc, ld_dq, true);
     }
-    for (int64_t r = 0; r < count; ++r) {
-      for (int64_t h = 0; h < d.head_dim; ++h) {
-        attention::StoreElementDouble(g.dq, b, rows.t(r), rows.n(r), h, p.scale * dq_acc[r * ld_dq + h]);
-      }
-    }
+    for (int64_t r = 0; r < count; ++r) StoreRow(g.dq, b, rows.t(r), rows.n(r), dq_acc + r * ld_dq, d.head_dim, p.scale);
   }
 }
 
@@ -707,19 +716,21 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
   });
   // dk, dv = the splits' partial sums, added in split order.
   ParallelFor(0, heads * d.kv_len, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> total(std::max(ld_dk, ld_dv));
     for (int64_t row = begin; row < end; ++row) {
       const int64_t head = row / d.kv_len, s = row % d.kv_len;
       const int64_t b = head / d.kv_heads, kv_head = head % d.kv_heads;
-      for (int64_t h = 0; h < d.head_dim; ++h) {
-        float total = 0.0f;
-        for (int64_t c = 0; c < splits; ++c) total += dk_acc[((c * heads + head) * acc_rows + s) * ld_dk + h];
-        attention::StoreElementDouble(g.dk, b, s, kv_head, h, total);
-      }
-      for (int64_t e = 0; e < d.value_dim; ++e) {
-        float total = 0.0f;
-        for (int64_t c = 0; c < splits; ++c) total += dv_acc[((c * heads + head) * acc_rows + s) * ld_dv + e];
-        attention::StoreElementDouble(g.dv, b, s, kv_head, e, total);
-      }
+      auto sum_splits = [&](const std::vector<float>& acc, int64_t ld, int64_t width) {
+        std::copy_n(acc.data() + (head * acc_rows + s) * ld, width, total.data());
+        for (int64_t c = 1; c < splits; ++c) {
+          const float* part = acc.data() + ((c * heads + head) * acc_rows + s) * ld;
+          for (int64_t e = 0; e < width; ++e) total[e] += part[e];
+        }
+      };
+      sum_splits(dk_acc, ld_dk, d.head_dim);
+      StoreRow(g.dk, b, s, kv_head, total.data(), d.head_dim, 1.0f);
+      sum_splits(dv_acc, ld_dv, d.value_dim);
+      StoreRow(g.dv, b, s, kv_head, total.data(), d.value_dim, 1.0f);
     }
   });
   return Status::Ok();
