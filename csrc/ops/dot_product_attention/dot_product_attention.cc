@@ -312,8 +312,9 @@ struct ForwardScratch {
 
 // Few rows (decode: one position times the group): a GEMM tile would be mostly padding and
 // packing K would cost more than reading it, so the row path streams K and V rows in place.
-bool UseRowDots(const DotProductAttentionParams& p, int64_t rows, const PackedKvTiles& packed_k) {
-  return rows <= kMaxRowDotRows && p.k.strides[3] == 1 && p.v.strides[3] == 1 && !packed_k.packed();
+// Taken when a single query block of few rows covers the whole query sequence.
+bool UseRowDots(const DotProductAttentionParams& p, int64_t q_blocks, int64_t rows) {
+  return q_blocks == 1 && rows <= kMaxRowDotRows && p.k.strides[3] == 1 && p.v.strides[3] == 1;
 }
 
 void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, int64_t n, const float* acc, float sum,
@@ -331,110 +332,134 @@ void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, in
   }
 }
 
+// One task: query block `rows` against keys [kv_begin, kv_end) for kv heads [rows.kv_head,
+// head_end). GEMM tasks own one kv head. Row-path tasks own all of them and walk the tiles
+// head by head inside each tile: the rows of one key for all kv heads are adjacent in memory,
+// so each 4 KiB page of K and V is used whole while its TLB entry is hot.
 void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernels& k,
-                 const DotProductAttentionConfig& config, const TaskRows& rows, int64_t kv_begin, int64_t kv_end,
-                 int64_t split, SplitPartials* partials, const PackedKvTiles& packed_k,
-                 const PackedKvTiles& packed_v, ForwardScratch& s) {
+                 const DotProductAttentionConfig& config, const TaskRows& rows, int64_t head_end, bool row_dots,
+                 int64_t kv_begin, int64_t kv_end, int64_t split, SplitPartials* partials,
+                 const PackedKvTiles& packed_k, const PackedKvTiles& packed_v, ForwardScratch& s) {
   const GemmKernels& gemm = *k.gemm;
   const int64_t mr = gemm.mr, nr = gemm.nr;
   const int64_t count = rows.count();
+  const int64_t heads = head_end - rows.kv_head;
   const int64_t cols = RoundUp(count, nr);       // st columns (query rows), panels of Q
   const int64_t row_panels = CeilDiv(count, mr); // of P and the accumulator
   const int64_t ld_acc = RoundUp(d.value_dim, nr);
+  const int64_t acc_floats = row_panels * mr * ld_acc;
+  const int64_t q_floats = cols * d.head_dim;
   const int64_t block = config.block_kv;
 
-  float* q_panels = Scratch(s.q_panels, cols * d.head_dim);
+  float* q_panels = Scratch(s.q_panels, heads * q_floats);  // per head: panels, or plain rows
   float* k_panels = Scratch(s.k_panels, RoundUp(block, mr) * d.head_dim);
   float* st = Scratch(s.st, RoundUp(block, mr) * cols);
   float* p_panels = Scratch(s.p_panels, row_panels * mr * block);
   float* v_panels = Scratch(s.v_panels, block * ld_acc);
-  float* acc = Scratch(s.acc, row_panels * mr * ld_acc);
-  float* max = Scratch(s.max, cols);
-  float* sum = Scratch(s.sum, cols);
+  float* acc = Scratch(s.acc, heads * acc_floats);
+  float* max = Scratch(s.max, heads * cols);
+  float* sum = Scratch(s.sum, heads * cols);
   float* sub = Scratch(s.sub, cols);
   float* tile_max = Scratch(s.tile_max, cols);
-  std::fill(acc, acc + row_panels * mr * ld_acc, 0.0f);
-  std::fill(max, max + cols, kNegInf);
-  std::fill(sum, sum + cols, 0.0f);
+  std::fill(acc, acc + heads * acc_floats, 0.0f);
+  std::fill(max, max + heads * cols, kNegInf);
+  std::fill(sum, sum + heads * cols, 0.0f);
 
+  // The masks' ranges and segments depend on positions only: one RowMasks serves every head.
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
-  const bool row_dots = UseRowDots(p, count, packed_k);
-  float* q_rows = nullptr;
-  if (row_dots) {
-    q_rows = Scratch(s.q_rows, count * d.head_dim);
-    for (int64_t r = 0; r < count; ++r) {
-      for (int64_t h = 0; h < d.head_dim; ++h) {
-        q_rows[r * d.head_dim + h] = p.scale * attention::LoadElement(p.q, rows.b, rows.t(r), rows.n(r), h);
+  TaskRows head_rows = rows;
+  for (int64_t h = 0; h < heads; ++h) {
+    head_rows.kv_head = rows.kv_head + h;
+    float* q = q_panels + h * q_floats;
+    if (row_dots) {
+      for (int64_t r = 0; r < count; ++r) {
+        for (int64_t e = 0; e < d.head_dim; ++e) {
+          q[r * d.head_dim + e] = p.scale * attention::LoadElement(p.q, rows.b, rows.t(r), head_rows.n(r), e);
+        }
       }
+    } else {
+      PackRowsTransposed(p.q, head_rows, d.head_dim, p.scale, nr, q);
     }
-    // Columns past the rows are never written by key_dots; keep them finite for the softmax.
-    std::fill(st, st + RoundUp(block, mr) * cols, 0.0f);
-  } else {
-    PackRowsTransposed(p.q, rows, d.head_dim, p.scale, nr, q_panels);
   }
+  // key_dots writes only the task's columns; the softmax reads all of them.
+  if (row_dots) std::fill(st, st + RoundUp(block, mr) * cols, 0.0f);
   for (int64_t s0 = kv_begin; s0 < kv_end; s0 += block) {
     const int64_t keys = std::min(block, kv_end - s0);
     const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, rows.b, s0, s0 + keys);
     if (visibility == TileVisibility::kNone) continue;
-    // st = K_tile · (scale·Q)ᵀ, then the logits' epilogue and masks.
-    if (row_dots) {
-      k.softmax->key_dots(p.k.dtype, ElementAddress(p.k, rows.b, s0, rows.kv_head, 0), p.k.strides[1], keys,
-                          d.head_dim, q_rows, d.head_dim, count, st, cols);
-    } else {
-      const float* k_tile = k_panels;
-      if (packed_k.packed()) {
-        k_tile = packed_k.Tile(rows.b, d.kv_heads, rows.kv_head, s0);
+    for (int64_t h = 0; h < heads; ++h) {
+      head_rows.kv_head = rows.kv_head + h;
+      const int64_t kv_head = head_rows.kv_head;
+      const float* q = q_panels + h * q_floats;
+      float* head_acc = acc + h * acc_floats;
+      float* head_max = max + h * cols;
+      float* head_sum = sum + h * cols;
+      // st = K_tile · (scale·Q)ᵀ, then the logits' epilogue and masks.
+      if (row_dots) {
+        k.softmax->key_dots(p.k.dtype, ElementAddress(p.k, rows.b, s0, kv_head, 0), p.k.strides[1], keys,
+                            d.head_dim, q, d.head_dim, count, st, cols);
       } else {
-        gemm.pack_a(KvMatrix(p.k, rows.b, rows.kv_head, s0, keys), 0, keys, 0, d.head_dim, k_panels);
+        const float* k_tile = k_panels;
+        if (packed_k.packed()) {
+          k_tile = packed_k.Tile(rows.b, d.kv_heads, kv_head, s0);
+        } else {
+          gemm.pack_a(KvMatrix(p.k, rows.b, kv_head, s0, keys), 0, keys, 0, d.head_dim, k_panels);
+        }
+        TileGemm(gemm, d.head_dim, k_tile, CeilDiv(keys, mr), q, cols / nr, st, cols, false);
       }
-      TileGemm(gemm, d.head_dim, k_tile, CeilDiv(keys, mr), q_panels, cols / nr, st, cols, false);
-    }
-    FinishLogits(p, rows, s.row_masks, s0, keys, visibility, st, cols, nullptr);
-    // Online softmax: new running max, rescale what was accumulated, exponentiate the tile.
-    std::fill(tile_max, tile_max + cols, kNegInf);
-    k.softmax->column_max(st, keys, cols, cols, tile_max);
-    for (int64_t r = 0; r < cols; ++r) {
-      const float new_max = std::max(max[r], tile_max[r]);
-      float alpha = 1.0f;
-      if (new_max != kNegInf && max[r] != kNegInf && new_max != max[r]) alpha = std::exp(max[r] - new_max);
-      sub[r] = new_max == kNegInf ? 0.0f : new_max;
-      max[r] = new_max;
-      if (alpha != 1.0f) {
-        sum[r] *= alpha;
-        if (r < count) {
-          float* row = acc + r * ld_acc;
-          for (int64_t e = 0; e < d.value_dim; ++e) row[e] *= alpha;
+      FinishLogits(p, head_rows, s.row_masks, s0, keys, visibility, st, cols, nullptr);
+      // Online softmax: new running max, rescale what was accumulated, exponentiate the tile.
+      std::fill(tile_max, tile_max + cols, kNegInf);
+      k.softmax->column_max(st, keys, cols, cols, tile_max);
+      for (int64_t r = 0; r < cols; ++r) {
+        const float new_max = std::max(head_max[r], tile_max[r]);
+        float alpha = 1.0f;
+        if (new_max != kNegInf && head_max[r] != kNegInf && new_max != head_max[r]) {
+          alpha = std::exp(head_max[r] - new_max);
+        }
+        sub[r] = new_max == kNegInf ? 0.0f : new_max;
+        head_max[r] = new_max;
+        if (alpha != 1.0f) {
+          head_sum[r] *= alpha;
+          if (r < count) {
+            float* row = head_acc + r * ld_acc;
+            for (int64_t e = 0; e < d.value_dim; ++e) row[e] *= alpha;
+          }
         }
       }
+      k.softmax->exp_columns(st, keys, cols, cols, sub, head_sum);
+      if (row_dots) {
+        k.softmax->accumulate_values(p.v.dtype, st, cols, keys, count, ElementAddress(p.v, rows.b, s0, kv_head, 0),
+                                     p.v.strides[1], d.value_dim, head_acc, ld_acc);
+        continue;
+      }
+      // acc += P · V_tile, with P = stᵀ read straight down its columns by the A packer.
+      const ConstMatrix probs{st, DType::kFloat32, count, keys, 1, cols};
+      gemm.pack_a(probs, 0, count, 0, keys, p_panels);
+      const float* v_tile = v_panels;
+      if (packed_v.packed()) {
+        v_tile = packed_v.Tile(rows.b, d.kv_heads, kv_head, s0);
+      } else {
+        gemm.pack_b(KvMatrix(p.v, rows.b, kv_head, s0, keys), 0, keys, 0, d.value_dim, v_panels);
+      }
+      TileGemm(gemm, keys, p_panels, row_panels, v_tile, ld_acc / nr, head_acc, ld_acc, true);
     }
-    k.softmax->exp_columns(st, keys, cols, cols, sub, sum);
-    if (row_dots) {
-      k.softmax->accumulate_values(p.v.dtype, st, cols, keys, count,
-                                   ElementAddress(p.v, rows.b, s0, rows.kv_head, 0), p.v.strides[1], d.value_dim,
-                                   acc, ld_acc);
-      continue;
-    }
-    // acc += P · V_tile, with P = stᵀ read straight down its columns by the A packer.
-    const ConstMatrix probs{st, DType::kFloat32, count, keys, 1, cols};
-    gemm.pack_a(probs, 0, count, 0, keys, p_panels);
-    const float* v_tile = v_panels;
-    if (packed_v.packed()) {
-      v_tile = packed_v.Tile(rows.b, d.kv_heads, rows.kv_head, s0);
-    } else {
-      gemm.pack_b(KvMatrix(p.v, rows.b, rows.kv_head, s0, keys), 0, keys, 0, d.value_dim, v_panels);
-    }
-    TileGemm(gemm, keys, p_panels, row_panels, v_tile, ld_acc / nr, acc, ld_acc, true);
   }
-  for (int64_t r = 0; r < count; ++r) {
-    const int64_t t = rows.t(r), n = rows.n(r);
-    if (partials == nullptr) {
-      StoreOutputRow(p, rows.b, t, n, acc + r * ld_acc, sum[r], max[r]);
-      continue;
+  for (int64_t h = 0; h < heads; ++h) {
+    head_rows.kv_head = rows.kv_head + h;
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t t = head_rows.t(r), n = head_rows.n(r);
+      const float* row_acc = acc + h * acc_floats + r * ld_acc;
+      const float row_max = max[h * cols + r], row_sum = sum[h * cols + r];
+      if (partials == nullptr) {
+        StoreOutputRow(p, rows.b, t, n, row_acc, row_sum, row_max);
+        continue;
+      }
+      const int64_t row = partials->Row(d, split, rows.b, n, t);
+      std::memcpy(partials->out.data() + row * d.value_dim, row_acc, d.value_dim * sizeof(float));
+      partials->max[row] = row_max;
+      partials->sum[row] = row_sum;
     }
-    const int64_t row = partials->Row(d, split, rows.b, n, t);
-    std::memcpy(partials->out.data() + row * d.value_dim, acc + r * ld_acc, d.value_dim * sizeof(float));
-    partials->max[row] = max[r];
-    partials->sum[row] = sum[r];
   }
 }
 
@@ -633,24 +658,27 @@ Status DotProductAttention(const DotProductAttentionParams& p, const DotProductA
   }
   // Tasks are pulled from a shared counter, latest query blocks first: under a causal mask they
   // are the longest, and starting them first balances the threads.
-  const int64_t num_tasks = d.batch * d.kv_heads * q_blocks * splits;
+  const bool row_dots = UseRowDots(p, q_blocks, std::min(config.block_q, d.q_len) * d.group);
+  const int64_t task_heads = row_dots ? d.kv_heads : 1;  // kv heads per task
+  const int64_t head_groups = d.kv_heads / task_heads;
+  const int64_t num_tasks = d.batch * head_groups * q_blocks * splits;
   std::atomic<int64_t> next{0};
   ParallelFor(0, num_tasks, 1, [&](int64_t, int64_t) {
     thread_local ForwardScratch scratch;
     for (int64_t task = next.fetch_add(1); task < num_tasks; task = next.fetch_add(1)) {
       const int64_t split = task % splits;
       const int64_t qb = q_blocks - 1 - (task / splits) % q_blocks;
-      const int64_t kv_head = (task / splits / q_blocks) % d.kv_heads;
+      const int64_t kv_head = (task / splits / q_blocks) % head_groups * task_heads;
       TaskRows rows;
-      rows.b = task / splits / q_blocks / d.kv_heads;
+      rows.b = task / splits / q_blocks / head_groups;
       rows.kv_head = kv_head;
       rows.group = d.group;
       rows.t0 = qb * config.block_q;
       rows.positions = std::min(config.block_q, d.q_len - rows.t0);
       const int64_t kv_begin = (kv_blocks * split / splits) * config.block_kv;
       const int64_t kv_end = std::min(d.kv_len, (kv_blocks * (split + 1) / splits) * config.block_kv);
-      ForwardTask(p, d, k, config, rows, kv_begin, kv_end, split, splits > 1 ? &partials : nullptr, packed_k,
-                  packed_v, scratch);
+      ForwardTask(p, d, k, config, rows, kv_head + task_heads, row_dots, kv_begin, kv_end, split,
+                  splits > 1 ? &partials : nullptr, packed_k, packed_v, scratch);
     }
   });
   if (splits > 1) {

@@ -5,6 +5,7 @@
 #include <set>
 #include <string>
 
+#include "csrc/core/softmax_kernels.h"
 #include "csrc/ops/dot_product_attention/dot_product_attention.h"
 
 namespace tokamax {
@@ -22,9 +23,8 @@ constexpr int64_t kMaxTileFloats = int64_t{1} << 22;
 // (avx2) micro-tiles and of the 32-wide (avx512) and 16-wide (avx2) column panels; a 96-row
 // fp32 Q block of head_dim 128 is 48 KiB, so Q stays in L1/L2 while K/V tiles stream past.
 constexpr int64_t kTargetRows = 96;
-// Enough independent tasks that a few cores stay busy to the end. Decode has one task per kv
-// head: at K = 8 it splits the keys 4 ways (measured at S=4096, N=32, K=8 on 2 cores: 2.9 ms
-// vs 3.8 ms unsplit; the logsumexp merge costs ~1%).
+// Enough independent tasks that a few cores stay busy to the end (decode splits its keys; the
+// logsumexp merge of the splits costs ~1% at S=4096, N=32).
 constexpr int64_t kTargetForwardTasks = 32;
 constexpr int64_t kTargetBackwardTasks = 4;
 
@@ -94,8 +94,11 @@ DotProductAttentionConfig DotProductAttentionHeuristicConfig(const DotProductAtt
   // num_splits depends on the shape alone (never the thread count), so results are the same
   // bits on any machine with the same ISA tier.
   if (product == 0) {
-    // Decode: too few (batch, kv head, q block) tasks to fill the cores: split the keys.
-    const int64_t tasks = heads * q_blocks;
+    // Decode: too few (batch, kv head, q block) tasks to fill the cores: split the keys. A
+    // single block of at most kMaxRowDotRows rows takes the row path, whose tasks hold every
+    // kv head of a batch.
+    const bool row_path = q_blocks == 1 && config.block_q * group <= kMaxRowDotRows;
+    const int64_t tasks = (row_path ? std::max<int64_t>(shape.batch, 1) : heads) * q_blocks;
     if (tasks < kTargetForwardTasks) {
       config.num_splits = std::min(CeilDiv(kTargetForwardTasks, tasks), kv_blocks);
     }
