@@ -63,15 +63,15 @@ void MicroInPlace(const GemmKernels& kernels, const ConstMatrix& b, int64_t dept
   const int64_t offset = k0 * b.row_stride + col;
   switch (b.dtype) {
     case DType::kFloat32:
-      kernels.micro_f32(depth, a, static_cast<const float*>(b.data) + offset, b.row_stride, c, ldc,
+      kernels.micro_f32(depth, a, kernels.mr, static_cast<const float*>(b.data) + offset, b.row_stride, c, ldc,
                         accumulate);
       return;
     case DType::kBFloat16:
-      kernels.micro_bf16(depth, a, static_cast<const uint16_t*>(b.data) + offset, b.row_stride, c,
+      kernels.micro_bf16(depth, a, kernels.mr, static_cast<const uint16_t*>(b.data) + offset, b.row_stride, c,
                          ldc, accumulate);
       return;
     case DType::kFloat16:
-      kernels.micro_f16(depth, a, static_cast<const uint16_t*>(b.data) + offset, b.row_stride, c,
+      kernels.micro_f16(depth, a, kernels.mr, static_cast<const uint16_t*>(b.data) + offset, b.row_stride, c,
                         ldc, accumulate);
       return;
     case DType::kFloat64:  // never here: GemmRegion sends float64 to GemmRegionFloat64
@@ -152,12 +152,12 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
             const float* a_panel = a_pack + ir * depth;
             float* c_tile = acc_block + ir * cols_padded + jr;
             if (!in_place_b) {
-              kernels.micro_f32(depth, a_panel, b_pack + panel * depth * nr, nr, c_tile,
+              kernels.micro_f32(depth, a_panel, mr, b_pack + panel * depth * nr, nr, c_tile,
                                 cols_padded, accumulate);
             } else if (panel < full_panels) {
               MicroInPlace(kernels, b, depth, a_panel, pc, jc + jr, c_tile, cols_padded, accumulate);
             } else {
-              kernels.micro_f32(depth, a_panel, b_tail, nr, c_tile, cols_padded, accumulate);
+              kernels.micro_f32(depth, a_panel, mr, b_tail, nr, c_tile, cols_padded, accumulate);
             }
           }
         }

@@ -58,13 +58,15 @@ struct GemmKernels {
   // dst panel q (q*depth*nr floats): B(k0 + p, col0 + q*nr + j) at [p][j].
   void (*pack_b)(const ConstMatrix& b, int64_t k0, int64_t depth, int64_t col0, int64_t cols,
                  float* dst);
-  // c[i][j] (+)= sum_p a[p*mr + i] * b[p*ldb + j] over an mr x nr tile; b's type varies.
-  void (*micro_f32)(int64_t depth, const float* a, const float* b, int64_t ldb, float* c,
+  // c[i][j] (+)= sum_p a[p*lda + i] * b[p*ldb + j] over an mr x nr tile; b's type varies.
+  // lda is mr for a packed panel; a larger lda reads an fp32 matrix whose mr rows at each
+  // depth step are adjacent (a transposed tile) in place, without packing it.
+  void (*micro_f32)(int64_t depth, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
                     int64_t ldc, bool accumulate);
-  void (*micro_bf16)(int64_t depth, const float* a, const uint16_t* b, int64_t ldb, float* c,
-                     int64_t ldc, bool accumulate);
-  void (*micro_f16)(int64_t depth, const float* a, const uint16_t* b, int64_t ldb, float* c,
-                    int64_t ldc, bool accumulate);
+  void (*micro_bf16)(int64_t depth, const float* a, int64_t lda, const uint16_t* b, int64_t ldb,
+                     float* c, int64_t ldc, bool accumulate);
+  void (*micro_f16)(int64_t depth, const float* a, int64_t lda, const uint16_t* b, int64_t ldb,
+                    float* c, int64_t ldc, bool accumulate);
   // C(row0 + i, col0 + j) = acc[i * ld + j], converted to C's dtype.
   void (*store_c)(const float* acc, int64_t ld, int64_t rows, int64_t cols, const MutableMatrix& c,
                   int64_t row0, int64_t col0);

@@ -33,8 +33,8 @@ inline void LoadRow16(const Float16Bits* b, __m256* lo, __m256* hi) {
 
 // 6x16 tile: 12 accumulators, 2 B vectors and 1 broadcast = 15 of the 16 ymm registers.
 template <typename T>
-void Micro6x16(int64_t depth, const float* a, const T* b, int64_t ldb, float* c, int64_t ldc,
-               bool accumulate) {
+void Micro6x16(int64_t depth, const float* a, int64_t lda, const T* b, int64_t ldb, float* c,
+               int64_t ldc, bool accumulate) {
   __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps();
   __m256 c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
   __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps();
@@ -47,7 +47,7 @@ void Micro6x16(int64_t depth, const float* a, const T* b, int64_t ldb, float* c,
   {                                                                   \
     __m256 b0, b1;                                                    \
     LoadRow16(b + (P) * ldb, &b0, &b1);                               \
-    const float* ap = a + (P) * kMr;                              \
+    const float* ap = a + (P) * lda;                                  \
     __m256 av = _mm256_broadcast_ss(ap + 0);                          \
     c00 = _mm256_fmadd_ps(av, b0, c00);                               \
     c01 = _mm256_fmadd_ps(av, b1, c01);                               \

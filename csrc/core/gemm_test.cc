@@ -2,8 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "csrc/core/test_util.h"
 
@@ -87,6 +90,42 @@ TEST_P(GemmTest, SubRegionLeavesTheRestUntouched) {
   }
 }
 
+
+// An A tile read in place (lda > mr, attention's transposed probabilities) gives bit for bit
+// what the packed panel gives, and accumulate adds onto C.
+class GemmMicroTest : public ::testing::TestWithParam<Isa> {};
+
+TEST_P(GemmMicroTest, ReadsAInPlaceWithLda) {
+  const Isa isa = GetParam();
+  if (!IsaSupported(isa, GetCpuInfo())) GTEST_SKIP() << IsaName(isa) << " not supported here";
+  const GemmKernels& kernels = GetGemmKernels(isa);
+  const int64_t mr = kernels.mr, nr = kernels.nr, depth = 37, lda = mr + 5;
+  Buffer wide(DType::kFloat32, depth * lda), b(DType::kFloat32, depth * nr);
+  testing::FillRandom(wide, depth * lda, 5);
+  testing::FillRandom(b, depth * nr, 6);
+  const float* a_in_place = static_cast<const float*>(wide.data());
+  std::vector<float> packed(depth * mr);
+  for (int64_t p = 0; p < depth; ++p) {
+    for (int64_t i = 0; i < mr; ++i) packed[p * mr + i] = a_in_place[p * lda + i];
+  }
+  const float* bp = static_cast<const float*>(b.data());
+  std::vector<float> want(mr * nr, 0.5f), got(mr * nr, 0.5f);
+  kernels.micro_f32(depth, packed.data(), mr, bp, nr, want.data(), nr, /*accumulate=*/true);
+  kernels.micro_f32(depth, a_in_place, lda, bp, nr, got.data(), nr, /*accumulate=*/true);
+  EXPECT_EQ(got, want);
+  double max_error = 0.0;
+  for (int64_t i = 0; i < mr; ++i) {
+    for (int64_t j = 0; j < nr; ++j) {
+      double dot = 0.5;
+      for (int64_t p = 0; p < depth; ++p) dot += double{a_in_place[p * lda + i]} * double{bp[p * nr + j]};
+      max_error = std::max(max_error, std::abs(dot - got[i * nr + j]));
+    }
+  }
+  EXPECT_LT(max_error, 1e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllTiers, GemmMicroTest, ::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512),
+                         [](const auto& info) { return std::string(IsaName(info.param)); });
 INSTANTIATE_TEST_SUITE_P(
     AllTiers, GemmTest,
     ::testing::Combine(::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512),

@@ -21,6 +21,11 @@ struct SoftmaxKernels {
   void (*column_max)(const float* x, int64_t rows, int64_t ld, int64_t cols, float* max);
   // x[r][c] = exp(x[r][c] - sub[c]); sums[c] += x[r][c] when sums is not null. sub is finite.
   void (*exp_columns)(float* x, int64_t rows, int64_t ld, int64_t cols, const float* sub, float* sums);
+  // x[r][c] = -inf unless lo[c] <= r < hi[c]: a range mask (causal, window, lengths) applied
+  // to a tile, with lo/hi relative to its first row and exact small integers in float.
+  void (*mask_columns)(float* x, int64_t rows, int64_t ld, int64_t cols, const float* lo, const float* hi);
+  // x[r][e] *= scale[r] for r < rows, e < width, skipping rows whose scale is exactly 1.
+  void (*scale_rows)(float* x, int64_t ld, int64_t rows, int64_t width, const float* scale);
   // dp[r][c] = p[r][c] * (dp[r][c] - d[c]): the softmax gradient given dp = dO·Vᵀ.
   void (*softmax_grad_columns)(const float* p, float* dp, int64_t rows, int64_t ld, int64_t cols,
                                const float* d);

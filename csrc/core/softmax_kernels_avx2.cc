@@ -15,6 +15,10 @@ inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec Sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
 inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec Max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec InRange(Vec x, Vec r, Vec lo, Vec hi) {
+  const __m256 in = _mm256_and_ps(_mm256_cmp_ps(lo, r, _CMP_LE_OQ), _mm256_cmp_ps(r, hi, _CMP_LT_OQ));
+  return _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()), x, in);
+}
 
 // exp(x) = 2^n · e^r with n = round(x·log2 e) and |r| <= ln2/2; e^r by a degree-6 polynomial
 // (relative error ~2 ulp). Inputs below kExpFlushBelow (including -inf) give exactly 0.
@@ -43,8 +47,8 @@ inline Vec Exp(Vec x) {
 
 const SoftmaxKernels& SoftmaxKernelsAvx2() {
   using namespace softmax_avx2;
-  static const SoftmaxKernels kernels = {&ColumnMax, &ExpColumns, &SoftmaxGradColumns, &KeyDots,
-                                           &AccumulateValues};
+  static const SoftmaxKernels kernels = {&ColumnMax, &ExpColumns, &MaskColumns, &ScaleRows,
+                                           &SoftmaxGradColumns, &KeyDots, &AccumulateValues};
   return kernels;
 }
 

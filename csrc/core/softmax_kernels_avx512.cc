@@ -15,6 +15,10 @@ inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec Sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
 inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec Max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec InRange(Vec x, Vec r, Vec lo, Vec hi) {
+  const __mmask16 in = _mm512_cmp_ps_mask(lo, r, _CMP_LE_OQ) & _mm512_cmp_ps_mask(r, hi, _CMP_LT_OQ);
+  return _mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), in, x);
+}
 
 inline Vec Exp(Vec x) {
   const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpFlushBelow), _CMP_GE_OQ);
@@ -39,8 +43,8 @@ inline Vec Exp(Vec x) {
 
 const SoftmaxKernels& SoftmaxKernelsAvx512() {
   using namespace softmax_avx512;
-  static const SoftmaxKernels kernels = {&ColumnMax, &ExpColumns, &SoftmaxGradColumns, &KeyDots,
-                                           &AccumulateValues};
+  static const SoftmaxKernels kernels = {&ColumnMax, &ExpColumns, &MaskColumns, &ScaleRows,
+                                           &SoftmaxGradColumns, &KeyDots, &AccumulateValues};
   return kernels;
 }
 

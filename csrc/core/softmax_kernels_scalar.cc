@@ -16,6 +16,7 @@ inline Vec Add(Vec a, Vec b) { return a + b; }
 inline Vec Sub(Vec a, Vec b) { return a - b; }
 inline Vec Mul(Vec a, Vec b) { return a * b; }
 inline Vec Max(Vec a, Vec b) { return std::max(a, b); }
+inline Vec InRange(Vec x, Vec r, Vec lo, Vec hi) { return lo <= r && r < hi ? x : -__builtin_inff(); }
 inline Vec Exp(Vec x) { return x < kExpFlushBelow ? 0.0f : std::exp(x); }
 
 #include "csrc/core/softmax_kernels.inc"
@@ -24,8 +25,8 @@ inline Vec Exp(Vec x) { return x < kExpFlushBelow ? 0.0f : std::exp(x); }
 
 const SoftmaxKernels& SoftmaxKernelsScalar() {
   using namespace softmax_scalar;
-  static const SoftmaxKernels kernels = {&ColumnMax, &ExpColumns, &SoftmaxGradColumns, &KeyDots,
-                                           &AccumulateValues};
+  static const SoftmaxKernels kernels = {&ColumnMax, &ExpColumns, &MaskColumns, &ScaleRows,
+                                           &SoftmaxGradColumns, &KeyDots, &AccumulateValues};
   return kernels;
 }
 

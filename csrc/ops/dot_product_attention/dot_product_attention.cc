@@ -151,68 +151,114 @@ ConstMatrix KvMatrix(const Tensor4View& x, int64_t b, int64_t kv_head, int64_t s
   return {ElementAddress(x, b, s0, kv_head, 0), x.dtype, rows, x.sizes[3], x.strides[1], x.strides[3]};
 }
 
-// K or V of every (batch, kv head), packed once per call tile by tile as a GEMM operand (A:
-// mr-row panels, depth = head dim; B: nr-wide panels, depth = keys). Packing transposes K, the
-// costliest copy of the kernel; doing it once instead of once per query block pays whenever
-// more than one query block reads each tile. Memory: an fp32 copy of K or V (O(S), never T·S).
-class PackedKvTiles {
+// A TileGemm operand: mr-row panels of A or nr-wide panels of B; depth step p of panel i is
+// at data + i * panel_stride + p * step. Packed panels have step mr (A) or nr (B); A with a
+// larger step is an fp32 tile read in place.
+struct Panels {
+  const float* data;
+  int64_t step;
+  int64_t panel_stride;
+};
+
+// c (+)= a · b over whole tiles: `row_panels` panels of A times `col_panels` panels of B.
+void TileGemm(const GemmKernels& kernels, int64_t depth, const Panels& a, int64_t row_panels, const Panels& b,
+              int64_t col_panels, float* c, int64_t ldc, bool accumulate) {
+  const int64_t mr = kernels.mr, nr = kernels.nr;
+  for (int64_t pi = 0; pi < row_panels; ++pi) {
+    for (int64_t qi = 0; qi < col_panels; ++qi) {
+      kernels.micro_f32(depth, a.data + pi * a.panel_stride, a.step, b.data + qi * b.panel_stride, b.step,
+                        c + pi * mr * ldc + qi * nr, ldc, accumulate);
+    }
+  }
+}
+
+// K or V of every (batch, kv head) as a GEMM operand, tile by tile (A: mr-row panels, depth =
+// head dim; B: nr-wide panels, depth = keys). With `pack_all`, every tile is packed once per
+// call: packing transposes K, the costliest copy of the kernel, and doing it once instead of
+// once per query block pays whenever more than one query block reads each tile. Memory: an
+// fp32 copy of K or V (O(S), never T·S). Otherwise Tile() packs the tile it is asked for.
+class KvTiles {
  public:
-  void Pack(const GemmKernels& gemm, const Tensor4View& x, int64_t block, bool as_a) {
+  KvTiles(const GemmKernels& gemm, const Tensor4View& x, int64_t block, bool as_a, bool pack_all)
+      : gemm_(gemm), x_(x), block_(block), as_a_(as_a) {
     const int64_t batch = x.sizes[0], kv_len = x.sizes[1], kv_heads = x.sizes[2], cols = x.sizes[3];
-    block_ = block;
     tiles_per_head_ = CeilDiv(kv_len, block);
     tile_floats_ = as_a ? RoundUp(block, gemm.mr) * cols : block * RoundUp(cols, gemm.nr);
+    if (!pack_all) return;
     const int64_t tiles = batch * kv_heads * tiles_per_head_;
     data_.reset(new float[std::max<int64_t>(tiles * tile_floats_, 1)]);  // every used float is written below
     ParallelFor(0, tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t head = i / tiles_per_head_, s0 = (i % tiles_per_head_) * block;
-        const int64_t keys = std::min(block, kv_len - s0);
-        const ConstMatrix m = KvMatrix(x, head / kv_heads, head % kv_heads, s0, keys);
-        float* dst = data_.get() + i * tile_floats_;
-        if (as_a) {
-          gemm.pack_a(m, 0, keys, 0, cols, dst);
-        } else {
-          gemm.pack_b(m, 0, keys, 0, cols, dst);
-        }
+        PackInto(head / kv_heads, head % kv_heads, s0, std::min(block, kv_len - s0), data_.get() + i * tile_floats_);
       }
     });
   }
-  bool packed() const { return data_ != nullptr; }
-  // The tile starting at key s0 of kv head `kv_head` of batch b.
-  const float* Tile(int64_t b, int64_t kv_heads, int64_t kv_head, int64_t s0) const {
-    return data_.get() + ((b * kv_heads + kv_head) * tiles_per_head_ + s0 / block_) * tile_floats_;
+  // Floats of scratch that Tile() may use.
+  int64_t tile_floats() const { return tile_floats_; }
+  // Keys [s0, s0 + keys) of kv head `kv_head` of batch b (s0 a tile start, keys at most the
+  // tile's): the packed copy, or packed into `scratch` now.
+  Panels Tile(int64_t b, int64_t kv_head, int64_t s0, int64_t keys, float* scratch) const {
+    const float* data = scratch;
+    int64_t depth_keys = keys;  // the keys a B panel holds
+    if (data_ != nullptr) {
+      data = data_.get() + ((b * x_.sizes[2] + kv_head) * tiles_per_head_ + s0 / block_) * tile_floats_;
+      depth_keys = std::min(block_, x_.sizes[1] - s0);
+    } else {
+      PackInto(b, kv_head, s0, keys, scratch);
+    }
+    const int64_t cols = x_.sizes[3];
+    return as_a_ ? Panels{data, gemm_.mr, gemm_.mr * cols} : Panels{data, gemm_.nr, depth_keys * gemm_.nr};
   }
 
  private:
-  std::unique_ptr<float[]> data_;
-  int64_t block_ = 1, tiles_per_head_ = 0, tile_floats_ = 0;
-};
-
-// c (+)= a_panels · b_panels over whole tiles: `row_panels` mr-row panels of packed A (depth
-// `depth`) times `col_panels` nr-wide panels of packed B.
-void TileGemm(const GemmKernels& kernels, int64_t depth, const float* a, int64_t row_panels, const float* b,
-              int64_t col_panels, float* c, int64_t ldc, bool accumulate) {
-  const int64_t mr = kernels.mr, nr = kernels.nr;
-  for (int64_t pi = 0; pi < row_panels; ++pi) {
-    for (int64_t qi = 0; qi < col_panels; ++qi) {
-      kernels.micro_f32(depth, a + pi * mr * depth, b + qi * depth * nr, nr, c + pi * mr * ldc + qi * nr, ldc,
-                        accumulate);
+  void PackInto(int64_t b, int64_t kv_head, int64_t s0, int64_t keys, float* dst) const {
+    const ConstMatrix m = KvMatrix(x_, b, kv_head, s0, keys);
+    if (as_a_) {
+      gemm_.pack_a(m, 0, keys, 0, x_.sizes[3], dst);
+    } else {
+      gemm_.pack_b(m, 0, keys, 0, x_.sizes[3], dst);
     }
   }
-}
+
+  const GemmKernels& gemm_;
+  Tensor4View x_;
+  int64_t block_, tiles_per_head_ = 0, tile_floats_ = 0;
+  bool as_a_;
+  std::unique_ptr<float[]> data_;
+};
+
+// A fp32 tile x[p][i] (p < depth, ld floats apart) read in place as A panels: row i, depth p.
+Panels InPlaceA(const float* x, int64_t ld, int64_t mr) { return {x, ld, mr}; }
+
+// Packed A panels of `depth` (pack_a's layout).
+Panels PackedA(const float* x, int64_t depth, int64_t mr) { return {x, mr, mr * depth}; }
+
+// Packed B panels of `depth` (pack_b's layout).
+Panels PackedB(const float* x, int64_t depth, int64_t nr) { return {x, nr, depth * nr}; }
 
 // What a task's rows can see of kv tile [s0, s1).
 enum class TileVisibility { kNone, kPartial, kFull };
 
 struct RowMasks {
   std::vector<attention::KeyRange> ranges;  // per row
+  int64_t min_begin = 0, max_end = 0;       // of all rows' ranges: no row sees a key outside
   int32_t min_segment = 0, max_segment = 0;  // of the task's query positions (when segmented)
+  std::vector<float> lo, hi;                // per column: a tile's visible rows, for mask_columns
 };
 
 void ComputeRowMasks(const AttentionMasks& m, const TaskRows& rows, int64_t kv_len, RowMasks* out) {
   out->ranges.resize(rows.count());
-  for (int64_t r = 0; r < rows.count(); ++r) out->ranges[r] = attention::VisibleKeys(m, rows.b, rows.t(r), kv_len);
+  out->min_begin = kv_len;
+  out->max_end = 0;
+  for (int64_t r = 0; r < rows.count(); ++r) {
+    const attention::KeyRange range = attention::VisibleKeys(m, rows.b, rows.t(r), kv_len);
+    out->ranges[r] = range;
+    if (range.begin < range.end) {
+      out->min_begin = std::min(out->min_begin, range.begin);
+      out->max_end = std::max(out->max_end, range.end);
+    }
+  }
   if (m.q_segment_ids != nullptr) {
     out->min_segment = std::numeric_limits<int32_t>::max();
     out->max_segment = std::numeric_limits<int32_t>::min();
@@ -223,6 +269,10 @@ void ComputeRowMasks(const AttentionMasks& m, const TaskRows& rows, int64_t kv_l
     }
   }
 }
+
+// The keys of tile [s0, s0 + keys) that some row can see end by max_end: the rest is left out
+// of the products (causal diagonal tiles shrink to the block's last position).
+int64_t ClippedKeys(const RowMasks& rm, int64_t s0, int64_t keys) { return std::min(keys, rm.max_end - s0); }
 
 TileVisibility ClassifyTile(const AttentionMasks& m, const RowMasks& rm, int64_t b, int64_t s0, int64_t s1) {
   bool any = false, all = true;
@@ -244,10 +294,24 @@ TileVisibility ClassifyTile(const AttentionMasks& m, const RowMasks& rm, int64_t
   return all && !attention::HasElementMasks(m) ? TileVisibility::kFull : TileVisibility::kPartial;
 }
 
+struct Kernels {
+  const GemmKernels* gemm;
+  const SoftmaxKernels* softmax;
+};
+
+Status GetKernels(Kernels* kernels) {
+  Isa isa;
+  const Status status = ActiveIsa(&isa);
+  if (!status.ok()) return status;
+  kernels->gemm = &GetGemmKernels(isa);
+  kernels->softmax = &GetSoftmaxKernels(isa);
+  return Status::Ok();
+}
+
 // Turns st[key][row] = scale·q·k of tile [s0, s0 + keys) into final logits: + bias, soft cap,
 // then -inf where masked. When `tanh_out` is set it receives tanh(logit / cap) (backward).
-void FinishLogits(const DotProductAttentionParams& p, const TaskRows& rows, const RowMasks& rm, int64_t s0,
-                  int64_t keys, TileVisibility visibility, float* st, int64_t ld, float* tanh_out) {
+void FinishLogits(const DotProductAttentionParams& p, const Kernels& k, const TaskRows& rows, RowMasks& rm,
+                  int64_t s0, int64_t keys, TileVisibility visibility, float* st, int64_t ld, float* tanh_out) {
   const int64_t count = rows.count();
   if (p.bias.data != nullptr) {
     for (int64_t r = 0; r < count; ++r) {
@@ -267,31 +331,23 @@ void FinishLogits(const DotProductAttentionParams& p, const TaskRows& rows, cons
     }
   }
   if (visibility == TileVisibility::kFull) return;
-  const bool element_masks = attention::HasElementMasks(p.masks);
+  // Ranges, vectorized across rows; padding columns (r >= count) stay as they are.
+  const int64_t cols = RoundUp(count, 16);
+  rm.lo.resize(cols);
+  rm.hi.resize(cols);
+  for (int64_t r = 0; r < cols; ++r) {
+    const attention::KeyRange range = r < count ? rm.ranges[r] : attention::KeyRange{s0, s0 + keys};
+    rm.lo[r] = static_cast<float>(std::clamp<int64_t>(range.begin - s0, 0, keys));
+    rm.hi[r] = static_cast<float>(std::clamp<int64_t>(range.end - s0, 0, keys));
+  }
+  k.softmax->mask_columns(st, keys, ld, cols, rm.lo.data(), rm.hi.data());
+  if (!attention::HasElementMasks(p.masks)) return;
   for (int64_t r = 0; r < count; ++r) {
-    const attention::KeyRange& range = rm.ranges[r];
     const int64_t t = rows.t(r), n = rows.n(r);
     for (int64_t j = 0; j < keys; ++j) {
-      const int64_t s = s0 + j;
-      const bool visible = s >= range.begin && s < range.end &&
-                           (!element_masks || attention::ElementVisible(p.masks, rows.b, n, t, s));
-      if (!visible) st[j * ld + r] = kNegInf;
+      if (!attention::ElementVisible(p.masks, rows.b, n, t, s0 + j)) st[j * ld + r] = kNegInf;
     }
   }
-}
-
-struct Kernels {
-  const GemmKernels* gemm;
-  const SoftmaxKernels* softmax;
-};
-
-Status GetKernels(Kernels* kernels) {
-  Isa isa;
-  const Status status = ActiveIsa(&isa);
-  if (!status.ok()) return status;
-  kernels->gemm = &GetGemmKernels(isa);
-  kernels->softmax = &GetSoftmaxKernels(isa);
-  return Status::Ok();
 }
 
 // ---- forward -------------------------------------------------------------------------------
@@ -306,7 +362,7 @@ struct SplitPartials {
 };
 
 struct ForwardScratch {
-  std::vector<float> q_panels, q_rows, k_panels, st, p_panels, v_panels, acc, max, sum, sub, tile_max;
+  std::vector<float> q_panels, k_panels, st, v_panels, acc, max, sum, sub, alpha, tile_max;
   RowMasks row_masks;
 };
 
@@ -339,7 +395,7 @@ void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, in
 void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernels& k,
                  const DotProductAttentionConfig& config, const TaskRows& rows, int64_t head_end, bool row_dots,
                  int64_t kv_begin, int64_t kv_end, int64_t split, SplitPartials* partials,
-                 const PackedKvTiles& packed_k, const PackedKvTiles& packed_v, ForwardScratch& s) {
+                 const KvTiles& k_tiles, const KvTiles& v_tiles, ForwardScratch& s) {
   const GemmKernels& gemm = *k.gemm;
   const int64_t mr = gemm.mr, nr = gemm.nr;
   const int64_t count = rows.count();
@@ -352,14 +408,18 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   const int64_t block = config.block_kv;
 
   float* q_panels = Scratch(s.q_panels, heads * q_floats);  // per head: panels, or plain rows
-  float* k_panels = Scratch(s.k_panels, RoundUp(block, mr) * d.head_dim);
-  float* st = Scratch(s.st, RoundUp(block, mr) * cols);
-  float* p_panels = Scratch(s.p_panels, row_panels * mr * block);
-  float* v_panels = Scratch(s.v_panels, block * ld_acc);
+  float* k_panels = Scratch(s.k_panels, k_tiles.tile_floats());
+  // P·V reads st in place as row_panels·mr rows, which may pass `cols`: the last key's
+  // overhang lands in one spare row, zeroed (it only feeds accumulator rows never stored).
+  const int64_t st_rows = RoundUp(block, mr);
+  float* st = Scratch(s.st, (st_rows + 1) * cols);
+  std::fill(st + st_rows * cols, st + (st_rows + 1) * cols, 0.0f);
+  float* v_panels = Scratch(s.v_panels, v_tiles.tile_floats());
   float* acc = Scratch(s.acc, heads * acc_floats);
   float* max = Scratch(s.max, heads * cols);
   float* sum = Scratch(s.sum, heads * cols);
   float* sub = Scratch(s.sub, cols);
+  float* alpha = Scratch(s.alpha, cols);
   float* tile_max = Scratch(s.tile_max, cols);
   std::fill(acc, acc + heads * acc_floats, 0.0f);
   std::fill(max, max + heads * cols, kNegInf);
@@ -382,11 +442,11 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
     }
   }
   // key_dots writes only the task's columns; the softmax reads all of them.
-  if (row_dots) std::fill(st, st + RoundUp(block, mr) * cols, 0.0f);
+  if (row_dots) std::fill(st, st + st_rows * cols, 0.0f);
   for (int64_t s0 = kv_begin; s0 < kv_end; s0 += block) {
-    const int64_t keys = std::min(block, kv_end - s0);
-    const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, rows.b, s0, s0 + keys);
+    const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, rows.b, s0, s0 + std::min(block, kv_end - s0));
     if (visibility == TileVisibility::kNone) continue;
+    const int64_t keys = ClippedKeys(s.row_masks, s0, std::min(block, kv_end - s0));
     for (int64_t h = 0; h < heads; ++h) {
       head_rows.kv_head = rows.kv_head + h;
       const int64_t kv_head = head_rows.kv_head;
@@ -399,50 +459,33 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
         k.softmax->key_dots(p.k.dtype, ElementAddress(p.k, rows.b, s0, kv_head, 0), p.k.strides[1], keys,
                             d.head_dim, q, d.head_dim, count, st, cols);
       } else {
-        const float* k_tile = k_panels;
-        if (packed_k.packed()) {
-          k_tile = packed_k.Tile(rows.b, d.kv_heads, kv_head, s0);
-        } else {
-          gemm.pack_a(KvMatrix(p.k, rows.b, kv_head, s0, keys), 0, keys, 0, d.head_dim, k_panels);
-        }
-        TileGemm(gemm, d.head_dim, k_tile, CeilDiv(keys, mr), q, cols / nr, st, cols, false);
+        TileGemm(gemm, d.head_dim, k_tiles.Tile(rows.b, kv_head, s0, keys, k_panels), CeilDiv(keys, mr),
+                 PackedB(q, d.head_dim, nr), cols / nr, st, cols, false);
       }
-      FinishLogits(p, head_rows, s.row_masks, s0, keys, visibility, st, cols, nullptr);
+      FinishLogits(p, k, head_rows, s.row_masks, s0, keys, visibility, st, cols, nullptr);
       // Online softmax: new running max, rescale what was accumulated, exponentiate the tile.
       std::fill(tile_max, tile_max + cols, kNegInf);
       k.softmax->column_max(st, keys, cols, cols, tile_max);
       for (int64_t r = 0; r < cols; ++r) {
         const float new_max = std::max(head_max[r], tile_max[r]);
-        float alpha = 1.0f;
+        alpha[r] = 1.0f;
         if (new_max != kNegInf && head_max[r] != kNegInf && new_max != head_max[r]) {
-          alpha = std::exp(head_max[r] - new_max);
+          alpha[r] = std::exp(head_max[r] - new_max);
         }
         sub[r] = new_max == kNegInf ? 0.0f : new_max;
         head_max[r] = new_max;
-        if (alpha != 1.0f) {
-          head_sum[r] *= alpha;
-          if (r < count) {
-            float* row = head_acc + r * ld_acc;
-            for (int64_t e = 0; e < d.value_dim; ++e) row[e] *= alpha;
-          }
-        }
+        head_sum[r] *= alpha[r];
       }
+      k.softmax->scale_rows(head_acc, ld_acc, count, d.value_dim, alpha);
       k.softmax->exp_columns(st, keys, cols, cols, sub, head_sum);
       if (row_dots) {
         k.softmax->accumulate_values(p.v.dtype, st, cols, keys, count, ElementAddress(p.v, rows.b, s0, kv_head, 0),
                                      p.v.strides[1], d.value_dim, head_acc, ld_acc);
         continue;
       }
-      // acc += P · V_tile, with P = stᵀ read straight down its columns by the A packer.
-      const ConstMatrix probs{st, DType::kFloat32, count, keys, 1, cols};
-      gemm.pack_a(probs, 0, count, 0, keys, p_panels);
-      const float* v_tile = v_panels;
-      if (packed_v.packed()) {
-        v_tile = packed_v.Tile(rows.b, d.kv_heads, kv_head, s0);
-      } else {
-        gemm.pack_b(KvMatrix(p.v, rows.b, kv_head, s0, keys), 0, keys, 0, d.value_dim, v_panels);
-      }
-      TileGemm(gemm, keys, p_panels, row_panels, v_tile, ld_acc / nr, head_acc, ld_acc, true);
+      // acc += P · V_tile, with P = stᵀ read in place: at each key, a panel's mr rows are adjacent.
+      TileGemm(gemm, keys, InPlaceA(st, cols, mr), row_panels, v_tiles.Tile(rows.b, kv_head, s0, keys, v_panels),
+               ld_acc / nr, head_acc, ld_acc, true);
     }
   }
   for (int64_t h = 0; h < heads; ++h) {
@@ -503,8 +546,7 @@ struct BackwardScratch {
 void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const Kernels& k,
                   const DotProductAttentionConfig& config, int64_t b, int64_t kv_head, int64_t qb_begin,
                   int64_t qb_end, float* dk_acc, int64_t ld_dk, float* dv_acc, int64_t ld_dv,
-                  const PackedKvTiles& packed_k, const PackedKvTiles& packed_v, const PackedKvTiles& packed_k_rows,
-                  BackwardScratch& s) {
+                  const KvTiles& k_tiles, const KvTiles& v_tiles, const KvTiles& k_row_tiles, BackwardScratch& s) {
   const DotProductAttentionParams& p = g.forward;
   const Tensor4View out = AsConst(p.out);
   const GemmKernels& gemm = *k.gemm;
@@ -519,13 +561,16 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
   float* q_rows = Scratch(s.q_rows, max_rows * ld_dq);
   float* do_panels = Scratch(s.do_panels, max_cols * d.value_dim);
   float* do_rows = Scratch(s.do_rows, max_rows * ld_dv);
-  float* k_panels = Scratch(s.k_panels, kv_rows * d.head_dim);
-  float* k_rows = Scratch(s.k_rows, block * ld_dq);
-  float* v_panels = Scratch(s.v_panels, kv_rows * d.value_dim);
+  float* k_panels = Scratch(s.k_panels, k_tiles.tile_floats());
+  float* k_rows = Scratch(s.k_rows, k_row_tiles.tile_floats());
+  float* v_panels = Scratch(s.v_panels, v_tiles.tile_floats());
   float* st = Scratch(s.st, kv_rows * max_cols);
-  float* dpt = Scratch(s.dpt, kv_rows * max_cols);
+  // dQ reads dpt in place as whole mr-row panels, which may pass `cols` on the last key: one
+  // spare zeroed row (see ForwardTask).
+  float* dpt = Scratch(s.dpt, (kv_rows + 1) * max_cols);
+  std::fill(dpt + kv_rows * max_cols, dpt + (kv_rows + 1) * max_cols, 0.0f);
   float* tanh_values = p.logits_soft_cap > 0.0f ? Scratch(s.tanh, kv_rows * max_cols) : nullptr;
-  float* a_panels = Scratch(s.a_panels, std::max(kv_rows * max_cols, RoundUp(max_rows, mr) * block));
+  float* a_panels = Scratch(s.a_panels, kv_rows * max_cols);
   float* dq_acc = Scratch(s.dq_acc, RoundUp(max_rows, mr) * ld_dq);
   float* lse_sub = Scratch(s.lse_sub, max_cols);
   float* delta = Scratch(s.delta, max_cols);
@@ -561,9 +606,9 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
     bool packed = false;
     std::fill(dq_acc, dq_acc + row_panels * mr * ld_dq, 0.0f);
     for (int64_t s0 = 0; s0 < d.kv_len; s0 += block) {
-      const int64_t keys = std::min(block, d.kv_len - s0);
-      const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, b, s0, s0 + keys);
+      const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, b, s0, s0 + std::min(block, d.kv_len - s0));
       if (visibility == TileVisibility::kNone) continue;
+      const int64_t keys = ClippedKeys(s.row_masks, s0, std::min(block, d.kv_len - s0));
       if (!packed) {  // the query block's operands, once per block and only if some tile is visible
         PackRowsTransposed(p.q, rows, d.head_dim, p.scale, nr, q_panels);
         PackRows(p.q, rows, d.head_dim, p.scale, nr, q_rows);
@@ -573,26 +618,17 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
       }
       const int64_t key_panels = CeilDiv(keys, mr);
       // P = exp(logits - lse), recomputed.
-      const float* k_tile = k_panels;
-      if (packed_k.packed()) {
-        k_tile = packed_k.Tile(b, d.kv_heads, kv_head, s0);
-      } else {
-        gemm.pack_a(KvMatrix(p.k, b, kv_head, s0, keys), 0, keys, 0, d.head_dim, k_panels);
-      }
-      TileGemm(gemm, d.head_dim, k_tile, key_panels, q_panels, cols / nr, st, cols, false);
-      FinishLogits(p, rows, s.row_masks, s0, keys, visibility, st, cols, tanh_values);
+      TileGemm(gemm, d.head_dim, k_tiles.Tile(b, kv_head, s0, keys, k_panels), key_panels,
+               PackedB(q_panels, d.head_dim, nr), cols / nr, st, cols, false);
+      FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, cols, tanh_values);
       k.softmax->exp_columns(st, keys, cols, cols, lse_sub, nullptr);
       // dV_tile += P · dO.
       gemm.pack_a({st, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
-      TileGemm(gemm, count, a_panels, key_panels, do_rows, ld_dv / nr, dv_acc + s0 * ld_dv, ld_dv, true);
+      TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, PackedB(do_rows, count, nr), ld_dv / nr,
+               dv_acc + s0 * ld_dv, ld_dv, true);
       // dPᵀ = V_tile · dOᵀ; dS = P ∘ (dP - delta), times the soft cap's derivative.
-      const float* v_tile = v_panels;
-      if (packed_v.packed()) {
-        v_tile = packed_v.Tile(b, d.kv_heads, kv_head, s0);
-      } else {
-        gemm.pack_a(KvMatrix(p.v, b, kv_head, s0, keys), 0, keys, 0, d.value_dim, v_panels);
-      }
-      TileGemm(gemm, d.value_dim, v_tile, key_panels, do_panels, cols / nr, dpt, cols, false);
+      TileGemm(gemm, d.value_dim, v_tiles.Tile(b, kv_head, s0, keys, v_panels), key_panels,
+               PackedB(do_panels, d.value_dim, nr), cols / nr, dpt, cols, false);
       k.softmax->softmax_grad_columns(st, dpt, keys, cols, cols, delta);
       if (tanh_values != nullptr) {
         for (int64_t j = 0; j < keys; ++j) {
@@ -607,15 +643,10 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
       }
       // dK_tile += dS · (scale·Q); dQ += dS · K_tile (scaled when stored).
       gemm.pack_a({dpt, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
-      TileGemm(gemm, count, a_panels, key_panels, q_rows, ld_dk / nr, dk_acc + s0 * ld_dk, ld_dk, true);
-      gemm.pack_a({dpt, DType::kFloat32, count, keys, 1, cols}, 0, count, 0, keys, a_panels);
-      const float* k_rows_tile = k_rows;
-      if (packed_k_rows.packed()) {
-        k_rows_tile = packed_k_rows.Tile(b, d.kv_heads, kv_head, s0);
-      } else {
-        gemm.pack_b(KvMatrix(p.k, b, kv_head, s0, keys), 0, keys, 0, d.head_dim, k_rows);
-      }
-      TileGemm(gemm, keys, a_panels, row_panels, k_rows_tile, ld_dq / nr, dq_acc, ld_dq, true);
+      TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, PackedB(q_rows, count, nr), ld_dk / nr,
+               dk_acc + s0 * ld_dk, ld_dk, true);
+      TileGemm(gemm, keys, InPlaceA(dpt, cols, mr), row_panels, k_row_tiles.Tile(b, kv_head, s0, keys, k_rows),
+               ld_dq / nr, dq_acc, ld_dq, true);
     }
     for (int64_t r = 0; r < count; ++r) StoreRow(g.dq, b, rows.t(r), rows.n(r), dq_acc + r * ld_dq, d.head_dim, p.scale);
   }
@@ -651,11 +682,9 @@ Status DotProductAttention(const DotProductAttentionParams& p, const DotProductA
     partials.max.assign(rows, kNegInf);
     partials.sum.assign(rows, 0.0f);
   }
-  PackedKvTiles packed_k, packed_v;
-  if (q_blocks > 1) {  // several query blocks read each kv tile: pack K and V once
-    packed_k.Pack(*k.gemm, p.k, config.block_kv, /*as_a=*/true);
-    packed_v.Pack(*k.gemm, p.v, config.block_kv, /*as_a=*/false);
-  }
+  // Several query blocks read each kv tile: pack K and V once.
+  const KvTiles k_tiles(*k.gemm, p.k, config.block_kv, /*as_a=*/true, /*pack_all=*/q_blocks > 1);
+  const KvTiles v_tiles(*k.gemm, p.v, config.block_kv, /*as_a=*/false, /*pack_all=*/q_blocks > 1);
   // Tasks are pulled from a shared counter, latest query blocks first: under a causal mask they
   // are the longest, and starting them first balances the threads.
   const bool row_dots = UseRowDots(p, q_blocks, std::min(config.block_q, d.q_len) * d.group);
@@ -678,7 +707,7 @@ Status DotProductAttention(const DotProductAttentionParams& p, const DotProductA
       const int64_t kv_begin = (kv_blocks * split / splits) * config.block_kv;
       const int64_t kv_end = std::min(d.kv_len, (kv_blocks * (split + 1) / splits) * config.block_kv);
       ForwardTask(p, d, k, config, rows, kv_head + task_heads, row_dots, kv_begin, kv_end, split,
-                  splits > 1 ? &partials : nullptr, packed_k, packed_v, scratch);
+                  splits > 1 ? &partials : nullptr, k_tiles, v_tiles, scratch);
     }
   });
   if (splits > 1) {
@@ -723,12 +752,11 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
     float* dbias = static_cast<float*>(g.dbias);
     std::fill(dbias, dbias + d.batch * d.q_heads * d.q_len * d.kv_len, 0.0f);
   }
-  PackedKvTiles packed_k, packed_v, packed_k_rows;
-  if (q_blocks > 1 && d.kv_len > 0) {  // several query blocks read each kv tile: pack once
-    packed_k.Pack(*k.gemm, p.k, config.block_kv, /*as_a=*/true);
-    packed_v.Pack(*k.gemm, p.v, config.block_kv, /*as_a=*/true);
-    packed_k_rows.Pack(*k.gemm, p.k, config.block_kv, /*as_a=*/false);
-  }
+  // Several query blocks read each kv tile: pack K, V and K's rows once.
+  const bool pack_all = q_blocks > 1 && d.kv_len > 0;
+  const KvTiles k_tiles(*k.gemm, p.k, config.block_kv, /*as_a=*/true, pack_all);
+  const KvTiles v_tiles(*k.gemm, p.v, config.block_kv, /*as_a=*/true, pack_all);
+  const KvTiles k_row_tiles(*k.gemm, p.k, config.block_kv, /*as_a=*/false, pack_all);
   const int64_t num_tasks = heads * splits;
   std::atomic<int64_t> next{0};
   ParallelFor(0, num_tasks, 1, [&](int64_t, int64_t) {
@@ -739,7 +767,7 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
       float* dk = dk_acc.data() + (split * heads + head) * acc_rows * ld_dk;
       float* dv = dv_acc.data() + (split * heads + head) * acc_rows * ld_dv;
       BackwardTask(g, d, k, config, head / d.kv_heads, head % d.kv_heads, qb_begin, qb_end, dk, ld_dk, dv, ld_dv,
-                   packed_k, packed_v, packed_k_rows, scratch);
+                   k_tiles, v_tiles, k_row_tiles, scratch);
     }
   });
   // dk, dv = the splits' partial sums, added in split order.
