@@ -26,6 +26,10 @@ struct SoftmaxKernels {
   void (*mask_columns)(float* x, int64_t rows, int64_t ld, int64_t cols, const float* lo, const float* hi);
   // x[r][e] *= scale[r] for r < rows, e < width, skipping rows whose scale is exactly 1.
   void (*scale_rows)(float* x, int64_t ld, int64_t rows, int64_t width, const float* scale);
+  // dst[q][h][j] = x[(q * nr + j) * ld + h] for h < cols, zero where q * nr + j >= rows: fp32
+  // rows transposed into the nr-wide B panels of a GEMM whose depth is `cols` (nr a multiple
+  // of 8). Attention packs query and output-gradient rows this way.
+  void (*transpose_panels)(const float* x, int64_t ld, int64_t rows, int64_t cols, int64_t nr, float* dst);
   // dp[r][c] = p[r][c] * (dp[r][c] - d[c]): the softmax gradient given dp = dO·Vᵀ.
   void (*softmax_grad_columns)(const float* p, float* dp, int64_t rows, int64_t ld, int64_t cols,
                                const float* d);

@@ -1,6 +1,8 @@
 // The avx2 tier of SoftmaxKernels: 8 lanes, a Cephes-style polynomial exp.
 #include <immintrin.h>
 
+#include <algorithm>
+
 #include "csrc/core/softmax_kernels.h"
 
 namespace tokamax {
@@ -41,14 +43,16 @@ inline Vec Exp(Vec x) {
   return _mm256_andnot_ps(flush, y);
 }
 
+#include "csrc/core/transpose8x8_avx.inc"
 #include "csrc/core/softmax_kernels.inc"
 
 }  // namespace softmax_avx2
 
 const SoftmaxKernels& SoftmaxKernelsAvx2() {
   using namespace softmax_avx2;
-  static const SoftmaxKernels kernels = {&ColumnMax, &ExpColumns, &MaskColumns, &ScaleRows,
-                                           &SoftmaxGradColumns, &KeyDots, &AccumulateValues};
+  static const SoftmaxKernels kernels = {&ColumnMax,        &ExpColumns,         &MaskColumns,
+                                          &ScaleRows,        &TransposePanels,    &SoftmaxGradColumns,
+                                          &KeyDots,          &AccumulateValues};
   return kernels;
 }
 

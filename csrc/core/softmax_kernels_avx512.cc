@@ -1,6 +1,8 @@
 // The avx512 tier of SoftmaxKernels: 16 lanes; the same polynomial as avx2, 2^n by scalef.
 #include <immintrin.h>
 
+#include <algorithm>
+
 #include "csrc/core/softmax_kernels.h"
 
 namespace tokamax {
@@ -37,14 +39,16 @@ inline Vec Exp(Vec x) {
   return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
 }
 
+#include "csrc/core/transpose8x8_avx.inc"
 #include "csrc/core/softmax_kernels.inc"
 
 }  // namespace softmax_avx512
 
 const SoftmaxKernels& SoftmaxKernelsAvx512() {
   using namespace softmax_avx512;
-  static const SoftmaxKernels kernels = {&ColumnMax, &ExpColumns, &MaskColumns, &ScaleRows,
-                                           &SoftmaxGradColumns, &KeyDots, &AccumulateValues};
+  static const SoftmaxKernels kernels = {&ColumnMax,        &ExpColumns,         &MaskColumns,
+                                          &ScaleRows,        &TransposePanels,    &SoftmaxGradColumns,
+                                          &KeyDots,          &AccumulateValues};
   return kernels;
 }
 

@@ -19,14 +19,21 @@ inline Vec Max(Vec a, Vec b) { return std::max(a, b); }
 inline Vec InRange(Vec x, Vec r, Vec lo, Vec hi) { return lo <= r && r < hi ? x : -__builtin_inff(); }
 inline Vec Exp(Vec x) { return x < kExpFlushBelow ? 0.0f : std::exp(x); }
 
+inline void Transpose8x8(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
+  for (int64_t l = 0; l < 8; ++l) {
+    for (int64_t j = 0; j < 8; ++j) dst[l * ld_dst + j] = src[j * ld_src + l];
+  }
+}
+
 #include "csrc/core/softmax_kernels.inc"
 
 }  // namespace softmax_scalar
 
 const SoftmaxKernels& SoftmaxKernelsScalar() {
   using namespace softmax_scalar;
-  static const SoftmaxKernels kernels = {&ColumnMax, &ExpColumns, &MaskColumns, &ScaleRows,
-                                           &SoftmaxGradColumns, &KeyDots, &AccumulateValues};
+  static const SoftmaxKernels kernels = {&ColumnMax,        &ExpColumns,         &MaskColumns,
+                                          &ScaleRows,        &TransposePanels,    &SoftmaxGradColumns,
+                                          &KeyDots,          &AccumulateValues};
   return kernels;
 }
 

@@ -102,45 +102,22 @@ struct TaskRows {
   int64_t n(int64_t r) const { return kv_head * group + r % group; }
 };
 
-// dst[panel][h][j] = scale · X[row(panel·nr + j)][h]: rows of X as the B operand Xᵀ (depth =
-// cols), zero-padded to whole nr-wide panels. X is q or dout, rows gathered per TaskRows.
-void PackRowsTransposed(const Tensor4View& x, const TaskRows& rows, int64_t cols, float scale, int64_t nr,
-                        float* dst) {
-  const int64_t count = rows.count();
-  const int64_t padded = RoundUp(count, nr);
+// dst[r * ld + h] = scale · X[row r][h] for h < cols, zero for cols <= h < ld: the task's rows
+// of X (q, dout or out, gathered per TaskRows) as contiguous fp32 rows. Transposed by
+// SoftmaxKernels::transpose_panels, they are the GEMMs' B operand Xᵀ; read in place, X itself.
+void GatherRows(const Tensor4View& x, const TaskRows& rows, int64_t cols, float scale, float* dst, int64_t ld) {
   DispatchDType(x.dtype, [&](auto tag) {
     using T = decltype(tag);
-    for (int64_t r = 0; r < padded; ++r) {
-      float* out = dst + (r / nr) * cols * nr + r % nr;
-      if (r >= count) {
-        for (int64_t h = 0; h < cols; ++h) out[h * nr] = 0.0f;
-        continue;
-      }
+    const int64_t step = x.strides[3];
+    for (int64_t r = 0; r < rows.count(); ++r) {
       const T* src = static_cast<const T*>(ElementAddress(x, rows.b, rows.t(r), rows.n(r), 0));
-      const int64_t step = x.strides[3];
-      for (int64_t h = 0; h < cols; ++h) out[h * nr] = scale * LoadAsFloat(src + h * step);
-    }
-    return 0;
-  });
-}
-
-// dst[panel][r][j] = scale · X[row r][panel·nr + j]: the same rows as the B operand X itself
-// (depth = rows), columns zero-padded to whole panels.
-void PackRows(const Tensor4View& x, const TaskRows& rows, int64_t cols, float scale, int64_t nr, float* dst) {
-  const int64_t count = rows.count();
-  const int64_t panels = CeilDiv(cols, nr);
-  DispatchDType(x.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    for (int64_t r = 0; r < count; ++r) {
-      const T* src = static_cast<const T*>(ElementAddress(x, rows.b, rows.t(r), rows.n(r), 0));
-      const int64_t step = x.strides[3];
-      for (int64_t q = 0; q < panels; ++q) {
-        float* out = dst + (q * count + r) * nr;
-        for (int64_t j = 0; j < nr; ++j) {
-          const int64_t c = q * nr + j;
-          out[j] = c < cols ? scale * LoadAsFloat(src + c * step) : 0.0f;
-        }
+      float* out = dst + r * ld;
+      if (step == 1) {
+        for (int64_t h = 0; h < cols; ++h) out[h] = scale * LoadAsFloat(src + h);
+      } else {
+        for (int64_t h = 0; h < cols; ++h) out[h] = scale * LoadAsFloat(src + h * step);
       }
+      std::fill(out + cols, out + ld, 0.0f);
     }
     return 0;
   });
@@ -362,7 +339,7 @@ struct SplitPartials {
 };
 
 struct ForwardScratch {
-  std::vector<float> q_panels, k_panels, st, v_panels, acc, max, sum, sub, alpha, tile_max;
+  std::vector<float> q_panels, q_rows, k_panels, st, v_panels, acc, max, sum, sub, alpha, tile_max;
   RowMasks row_masks;
 };
 
@@ -428,17 +405,15 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   // The masks' ranges and segments depend on positions only: one RowMasks serves every head.
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
   TaskRows head_rows = rows;
+  float* q_rows = row_dots ? nullptr : Scratch(s.q_rows, count * d.head_dim);
   for (int64_t h = 0; h < heads; ++h) {
     head_rows.kv_head = rows.kv_head + h;
     float* q = q_panels + h * q_floats;
     if (row_dots) {
-      for (int64_t r = 0; r < count; ++r) {
-        for (int64_t e = 0; e < d.head_dim; ++e) {
-          q[r * d.head_dim + e] = p.scale * attention::LoadElement(p.q, rows.b, rows.t(r), head_rows.n(r), e);
-        }
-      }
+      GatherRows(p.q, head_rows, d.head_dim, p.scale, q, d.head_dim);
     } else {
-      PackRowsTransposed(p.q, head_rows, d.head_dim, p.scale, nr, q);
+      GatherRows(p.q, head_rows, d.head_dim, p.scale, q_rows, d.head_dim);
+      k.softmax->transpose_panels(q_rows, d.head_dim, count, d.head_dim, nr, q);
     }
   }
   // key_dots writes only the task's columns; the softmax reads all of them.
@@ -570,7 +545,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
   float* dpt = Scratch(s.dpt, (kv_rows + 1) * max_cols);
   std::fill(dpt + kv_rows * max_cols, dpt + (kv_rows + 1) * max_cols, 0.0f);
   float* tanh_values = p.logits_soft_cap > 0.0f ? Scratch(s.tanh, kv_rows * max_cols) : nullptr;
-  float* a_panels = Scratch(s.a_panels, kv_rows * max_cols);
+  float* a_panels = Scratch(s.a_panels, std::max(kv_rows * max_cols, max_rows * ld_dv));
   float* dq_acc = Scratch(s.dq_acc, RoundUp(max_rows, mr) * ld_dq);
   float* lse_sub = Scratch(s.lse_sub, max_cols);
   float* delta = Scratch(s.delta, max_cols);
@@ -586,36 +561,33 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
     const int64_t cols = RoundUp(count, nr);
     const int64_t row_panels = CeilDiv(count, mr);
     ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
+    // The block's operands: Q (scaled) and dO as rows, read in place as B, and transposed.
+    GatherRows(p.q, rows, d.head_dim, p.scale, q_rows, ld_dq);
+    k.softmax->transpose_panels(q_rows, ld_dq, count, d.head_dim, nr, q_panels);
+    GatherRows(g.dout, rows, d.value_dim, 1.0f, do_rows, ld_dv);
+    k.softmax->transpose_panels(do_rows, ld_dv, count, d.value_dim, nr, do_panels);
     // Per row: lse (0 for rows that see nothing: their logits are all -inf, so P = 0) and
     // delta = rowsum(dO ∘ O) - dlse.
     std::fill(lse_sub, lse_sub + cols, 0.0f);
     std::fill(delta, delta + cols, 0.0f);
+    float* out_rows = a_panels;  // free until the first tile
+    GatherRows(out, rows, d.value_dim, 1.0f, out_rows, ld_dv);
     for (int64_t r = 0; r < count; ++r) {
       const int64_t t = rows.t(r), n = rows.n(r);
       const float lse = static_cast<const float*>(p.lse)[b * p.lse_strides[0] + n * p.lse_strides[1] + t * p.lse_strides[2]];
       lse_sub[r] = lse == kNegInf ? 0.0f : lse;
       float dot = 0.0f;
-      for (int64_t e = 0; e < d.value_dim; ++e) {
-        dot += attention::LoadElement(g.dout, b, t, n, e) * attention::LoadElement(out, b, t, n, e);
-      }
+      for (int64_t e = 0; e < d.value_dim; ++e) dot += do_rows[r * ld_dv + e] * out_rows[r * ld_dv + e];
       if (g.dlse != nullptr) {
         dot -= static_cast<const float*>(g.dlse)[b * g.dlse_strides[0] + n * g.dlse_strides[1] + t * g.dlse_strides[2]];
       }
       delta[r] = dot;
     }
-    bool packed = false;
     std::fill(dq_acc, dq_acc + row_panels * mr * ld_dq, 0.0f);
     for (int64_t s0 = 0; s0 < d.kv_len; s0 += block) {
       const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, b, s0, s0 + std::min(block, d.kv_len - s0));
       if (visibility == TileVisibility::kNone) continue;
       const int64_t keys = ClippedKeys(s.row_masks, s0, std::min(block, d.kv_len - s0));
-      if (!packed) {  // the query block's operands, once per block and only if some tile is visible
-        PackRowsTransposed(p.q, rows, d.head_dim, p.scale, nr, q_panels);
-        PackRows(p.q, rows, d.head_dim, p.scale, nr, q_rows);
-        PackRowsTransposed(g.dout, rows, d.value_dim, 1.0f, nr, do_panels);
-        PackRows(g.dout, rows, d.value_dim, 1.0f, nr, do_rows);
-        packed = true;
-      }
       const int64_t key_panels = CeilDiv(keys, mr);
       // P = exp(logits - lse), recomputed.
       TileGemm(gemm, d.head_dim, k_tiles.Tile(b, kv_head, s0, keys, k_panels), key_panels,
@@ -624,7 +596,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
       k.softmax->exp_columns(st, keys, cols, cols, lse_sub, nullptr);
       // dV_tile += P · dO.
       gemm.pack_a({st, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
-      TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, PackedB(do_rows, count, nr), ld_dv / nr,
+      TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, Panels{do_rows, ld_dv, nr}, ld_dv / nr,
                dv_acc + s0 * ld_dv, ld_dv, true);
       // dPᵀ = V_tile · dOᵀ; dS = P ∘ (dP - delta), times the soft cap's derivative.
       TileGemm(gemm, d.value_dim, v_tiles.Tile(b, kv_head, s0, keys, v_panels), key_panels,
@@ -643,7 +615,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
       }
       // dK_tile += dS · (scale·Q); dQ += dS · K_tile (scaled when stored).
       gemm.pack_a({dpt, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
-      TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, PackedB(q_rows, count, nr), ld_dk / nr,
+      TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, Panels{q_rows, ld_dq, nr}, ld_dk / nr,
                dk_acc + s0 * ld_dk, ld_dk, true);
       TileGemm(gemm, keys, InPlaceA(dpt, cols, mr), row_panels, k_row_tiles.Tile(b, kv_head, s0, keys, k_rows),
                ld_dq / nr, dq_acc, ld_dq, true);
