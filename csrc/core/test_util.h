@@ -1,15 +1,17 @@
 // Helpers shared by the C++ tests: deterministic random data in any dtype, NaN poisoning,
-// error measurement, and a two-thread parallel backend.
+// error measurement, a two-thread parallel backend, and a scoped ISA override.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <random>
 #include <thread>
 #include <vector>
 
 #include "csrc/core/dtype.h"
+#include "csrc/core/isa.h"
 #include "csrc/core/parallel.h"
 
 namespace tokamax::testing {
@@ -76,5 +78,12 @@ inline void TwoThreadBackend(int64_t begin, int64_t end, int64_t grain, const Pa
   body(begin, mid);
   worker.join();
 }
+
+// Forces the tier `isa` through TOKAMAX_CPU_ISA for its lifetime.
+class ScopedIsa {
+ public:
+  explicit ScopedIsa(Isa isa) { setenv("TOKAMAX_CPU_ISA", IsaName(isa), 1); }
+  ~ScopedIsa() { unsetenv("TOKAMAX_CPU_ISA"); }
+};
 
 }  // namespace tokamax::testing

@@ -28,6 +28,72 @@ using torch::autograd::tensor_list;
 
 constexpr const char* kOp = "dot_product_attention";
 
+// The schema's attention arguments (the backward op has all but `config`), packed once per call
+// by the entry points below and passed whole to the check, the kernel inputs, the reference and
+// the autograd Function. It owns its values, so the autograd backward can rebuild it from what
+// the forward saved.
+struct AttentionArgs {
+  Tensor query, key, value;
+  std::optional<Tensor> bias, mask;
+  std::optional<double> scale;
+  bool is_causal = false;
+  std::optional<Tensor> query_seq_lengths, key_value_seq_lengths;
+  std::optional<std::vector<int64_t>> local_window_size;
+  std::optional<double> logits_soft_cap;
+  std::optional<Tensor> q_segment_ids, kv_segment_ids;
+  std::optional<std::vector<int64_t>> config, bwd_config;
+};
+
+std::optional<std::vector<int64_t>> Owned(at::OptionalIntArrayRef values) {
+  if (!values.has_value()) return std::nullopt;
+  return values->vec();
+}
+
+at::OptionalIntArrayRef Ref(const std::optional<std::vector<int64_t>>& values) {
+  if (!values.has_value()) return std::nullopt;
+  return at::IntArrayRef(*values);
+}
+
+// The entry points bound with m.impl: each takes its schema's arguments, packs them and hands
+// them to `Impl`.
+template <std::tuple<Tensor, Tensor> (*Impl)(const AttentionArgs&)>
+std::tuple<Tensor, Tensor> ForwardEntry(
+    const Tensor& query, const Tensor& key, const Tensor& value, const std::optional<Tensor>& bias,
+    const std::optional<Tensor>& mask, std::optional<double> scale, bool is_causal,
+    const std::optional<Tensor>& query_seq_lengths, const std::optional<Tensor>& key_value_seq_lengths,
+    at::OptionalIntArrayRef local_window_size, std::optional<double> logits_soft_cap,
+    const std::optional<Tensor>& q_segment_ids, const std::optional<Tensor>& kv_segment_ids,
+    at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
+  return Impl(AttentionArgs{query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
+                            key_value_seq_lengths, Owned(local_window_size), logits_soft_cap, q_segment_ids,
+                            kv_segment_ids, Owned(config), Owned(bwd_config)});
+}
+
+// The backward op's own arguments, besides the forward's.
+struct GradArgs {
+  Tensor dout;
+  std::optional<Tensor> dlse;
+  Tensor out, lse;
+  bool bias_requires_grad = false;
+};
+
+using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+// The same for the backward op.
+template <BackwardResult (*Impl)(const AttentionArgs&, const GradArgs&)>
+BackwardResult BackwardEntry(
+    const Tensor& dout, const std::optional<Tensor>& dlse, const Tensor& query, const Tensor& key,
+    const Tensor& value, const std::optional<Tensor>& bias, const std::optional<Tensor>& mask, const Tensor& out,
+    const Tensor& lse, std::optional<double> scale, bool is_causal, const std::optional<Tensor>& query_seq_lengths,
+    const std::optional<Tensor>& key_value_seq_lengths, at::OptionalIntArrayRef local_window_size,
+    std::optional<double> logits_soft_cap, const std::optional<Tensor>& q_segment_ids,
+    const std::optional<Tensor>& kv_segment_ids, bool bias_requires_grad, at::OptionalIntArrayRef bwd_config) {
+  return Impl(AttentionArgs{query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
+                            key_value_seq_lengths, Owned(local_window_size), logits_soft_cap, q_segment_ids,
+                            kv_segment_ids, /*config=*/std::nullopt, Owned(bwd_config)},
+              GradArgs{dout, dlse, out, lse, bias_requires_grad});
+}
+
 struct AttentionConfigs {
   std::optional<DotProductAttentionConfig> forward;
   std::optional<DotProductAttentionConfig> backward;
@@ -43,9 +109,9 @@ struct AttentionSignature {
   AttentionConfigs configs;
 };
 
-DotProductAttentionConfig ParseConfig(at::OptionalIntArrayRef values, const char* name) {
+DotProductAttentionConfig ParseConfig(const std::vector<int64_t>& values, const char* name) {
   DotProductAttentionConfig parsed;
-  const Status status = DotProductAttentionConfig::FromVector(values->vec(), &parsed);
+  const Status status = DotProductAttentionConfig::FromVector(values, &parsed);
   TORCH_CHECK(status.ok(), kOp, ": ", name, ": ", status.message());
   return parsed;
 }
@@ -87,18 +153,11 @@ void CheckSegmentIds(const Tensor& ids, const char* name, const c10::SymInt& bat
 // The one argument check, shared by the kernel, the reference, the backward op and the meta
 // kernels, so eager and compiled code raise the same errors. Only metadata is read; length
 // values are checked by the CPU kernels before any compute.
-AttentionSignature CheckAttentionArgs(const Tensor& query, const Tensor& key, const Tensor& value,
-                                      const std::optional<Tensor>& bias, const std::optional<Tensor>& mask,
-                                      std::optional<double> scale, bool is_causal,
-                                      const std::optional<Tensor>& query_seq_lengths,
-                                      const std::optional<Tensor>& key_value_seq_lengths,
-                                      at::OptionalIntArrayRef local_window_size, std::optional<double> logits_soft_cap,
-                                      const std::optional<Tensor>& q_segment_ids,
-                                      const std::optional<Tensor>& kv_segment_ids, at::OptionalIntArrayRef config,
-                                      at::OptionalIntArrayRef bwd_config) {
+AttentionSignature CheckAttentionArgs(const AttentionArgs& a) {
+  const Tensor &query = a.query, &key = a.key, &value = a.value;
   AttentionSignature sig;
-  if (config.has_value()) sig.configs.forward = ParseConfig(config, "config");
-  if (bwd_config.has_value()) sig.configs.backward = ParseConfig(bwd_config, "bwd_config");
+  if (a.config.has_value()) sig.configs.forward = ParseConfig(*a.config, "config");
+  if (a.bwd_config.has_value()) sig.configs.backward = ParseConfig(*a.bwd_config, "bwd_config");
 
   TORCH_CHECK(query.dim() == 4, kOp, ": query must be 4-D [B, T, N, H], got shape ", ShapeString(query));
   TORCH_CHECK(key.dim() == 4, kOp, ": key must be 4-D [B, S, K, H], got shape ", ShapeString(key));
@@ -132,46 +191,46 @@ AttentionSignature CheckAttentionArgs(const Tensor& query, const Tensor& key, co
                   ": the number of query heads must be a multiple of the number of kv heads, got N = ",
                   sig.q_heads, " and K = ", sig.kv_heads);
   const std::vector<c10::SymInt> logits_shape = {sig.batch, sig.q_heads, sig.q_len, sig.kv_len};
-  if (bias.has_value()) {
-    TORCH_CHECK(IsSupportedFloat(bias->scalar_type()), kOp,
-                ": bias must be float32, bfloat16, float16 or float64, got ", bias->scalar_type());
-    TORCH_CHECK(bias->device() == device, kOp, ": bias must be on ", device, " like query, got ", bias->device());
-    CheckBroadcastable(*bias, "bias", logits_shape);
+  if (a.bias.has_value()) {
+    TORCH_CHECK(IsSupportedFloat(a.bias->scalar_type()), kOp,
+                ": bias must be float32, bfloat16, float16 or float64, got ", a.bias->scalar_type());
+    TORCH_CHECK(a.bias->device() == device, kOp, ": bias must be on ", device, " like query, got ", a.bias->device());
+    CheckBroadcastable(*a.bias, "bias", logits_shape);
   }
-  if (mask.has_value()) {
-    TORCH_CHECK(mask->scalar_type() == at::kBool, kOp, ": mask must be bool (True = visible), got ",
-                mask->scalar_type());
-    TORCH_CHECK(mask->device() == device, kOp, ": mask must be on ", device, " like query, got ", mask->device());
-    CheckBroadcastable(*mask, "mask", logits_shape);
+  if (a.mask.has_value()) {
+    TORCH_CHECK(a.mask->scalar_type() == at::kBool, kOp, ": mask must be bool (True = visible), got ",
+                a.mask->scalar_type());
+    TORCH_CHECK(a.mask->device() == device, kOp, ": mask must be on ", device, " like query, got ", a.mask->device());
+    CheckBroadcastable(*a.mask, "mask", logits_shape);
   }
-  if (scale.has_value()) {
-    TORCH_CHECK(std::isfinite(*scale), kOp, ": scale must be finite, got ", *scale);
+  if (a.scale.has_value()) {
+    TORCH_CHECK(std::isfinite(*a.scale), kOp, ": scale must be finite, got ", *a.scale);
   }
-  if (logits_soft_cap.has_value()) {
-    TORCH_CHECK(std::isfinite(*logits_soft_cap) && *logits_soft_cap > 0.0, kOp,
-                ": logits_soft_cap must be a positive finite number, got ", *logits_soft_cap);
+  if (a.logits_soft_cap.has_value()) {
+    TORCH_CHECK(std::isfinite(*a.logits_soft_cap) && *a.logits_soft_cap > 0.0, kOp,
+                ": logits_soft_cap must be a positive finite number, got ", *a.logits_soft_cap);
   }
-  if (local_window_size.has_value()) {
-    TORCH_CHECK(local_window_size->size() == 2, kOp,
-                ": local_window_size must be (left, right), two non-negative ints, got ", local_window_size->size(),
+  if (a.local_window_size.has_value()) {
+    TORCH_CHECK(a.local_window_size->size() == 2, kOp,
+                ": local_window_size must be (left, right), two non-negative ints, got ", a.local_window_size->size(),
                 " values");
-    const int64_t left = (*local_window_size)[0], right = (*local_window_size)[1];
+    const int64_t left = (*a.local_window_size)[0], right = (*a.local_window_size)[1];
     TORCH_CHECK(left >= 0 && right >= 0, kOp, ": local_window_size must be non-negative, got (", left, ", ",
                 right, ")");
     sig.window_left = std::min(left, AttentionMasks::kUnbounded);
     sig.window_right = std::min(right, AttentionMasks::kUnbounded);
   }
-  CheckLengths(query_seq_lengths, "query_seq_lengths", sig.batch, device);
-  CheckLengths(key_value_seq_lengths, "key_value_seq_lengths", sig.batch, device);
-  TORCH_CHECK(q_segment_ids.has_value() == kv_segment_ids.has_value(), kOp,
+  CheckLengths(a.query_seq_lengths, "query_seq_lengths", sig.batch, device);
+  CheckLengths(a.key_value_seq_lengths, "key_value_seq_lengths", sig.batch, device);
+  TORCH_CHECK(a.q_segment_ids.has_value() == a.kv_segment_ids.has_value(), kOp,
               ": q_segment_ids and kv_segment_ids must be given together, got only ",
-              q_segment_ids.has_value() ? "q_segment_ids" : "kv_segment_ids");
-  if (q_segment_ids.has_value()) {
-    CheckSegmentIds(*q_segment_ids, "q_segment_ids", sig.batch, sig.q_len, "T", device);
-    CheckSegmentIds(*kv_segment_ids, "kv_segment_ids", sig.batch, sig.kv_len, "S", device);
+              a.q_segment_ids.has_value() ? "q_segment_ids" : "kv_segment_ids");
+  if (a.q_segment_ids.has_value()) {
+    CheckSegmentIds(*a.q_segment_ids, "q_segment_ids", sig.batch, sig.q_len, "T", device);
+    CheckSegmentIds(*a.kv_segment_ids, "kv_segment_ids", sig.batch, sig.kv_len, "S", device);
   }
-  sig.block_sparse = is_causal || local_window_size.has_value() || query_seq_lengths.has_value() ||
-                     key_value_seq_lengths.has_value() || q_segment_ids.has_value();
+  sig.block_sparse = a.is_causal || a.local_window_size.has_value() || a.query_seq_lengths.has_value() ||
+                     a.key_value_seq_lengths.has_value() || a.q_segment_ids.has_value();
   sig.lse_dtype = query.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   return sig;
 }
@@ -248,45 +307,40 @@ struct KernelInputs {
   Tensor bias, mask;  // expanded to [B, N, T, S] (stride-0 views, no copies)
 };
 
-void FillKernelInputs(const Tensor& query, const Tensor& key, const Tensor& value, const std::optional<Tensor>& bias,
-                      const std::optional<Tensor>& mask, std::optional<double> scale, bool is_causal,
-                      const std::optional<Tensor>& query_seq_lengths,
-                      const std::optional<Tensor>& key_value_seq_lengths, std::optional<double> logits_soft_cap,
-                      const std::optional<Tensor>& q_segment_ids, const std::optional<Tensor>& kv_segment_ids,
-                      const AttentionSignature& sig, KernelInputs* in) {
+void FillKernelInputs(const AttentionArgs& a, const AttentionSignature& sig, KernelInputs* in) {
   DotProductAttentionParams& p = in->params;
-  p.q = ViewOf(query);
-  p.k = ViewOf(key);
-  p.v = ViewOf(value);
+  p.q = ViewOf(a.query);
+  p.k = ViewOf(a.key);
+  p.v = ViewOf(a.value);
   const std::vector<int64_t> logits_shape = {sig.batch.expect_int(), sig.q_heads.expect_int(),
                                              sig.q_len.expect_int(), sig.kv_len.expect_int()};
-  if (bias.has_value()) {
-    in->bias = bias->expand(logits_shape);
+  if (a.bias.has_value()) {
+    in->bias = a.bias->expand(logits_shape);
     p.bias = ViewOf(in->bias);
   }
   AttentionMasks& m = p.masks;
-  if (mask.has_value()) {
-    in->mask = mask->expand(logits_shape);
+  if (a.mask.has_value()) {
+    in->mask = a.mask->expand(logits_shape);
     m.mask = reinterpret_cast<const uint8_t*>(in->mask.const_data_ptr<bool>());
     for (int64_t d = 0; d < 4; ++d) m.mask_strides[d] = in->mask.stride(d);
   }
-  m.is_causal = is_causal;
+  m.is_causal = a.is_causal;
   m.window_left = sig.window_left;
   m.window_right = sig.window_right;
-  in->q_lengths = LengthValues(query_seq_lengths, logits_shape[2], "query_seq_lengths");
-  in->kv_lengths = LengthValues(key_value_seq_lengths, logits_shape[3], "key_value_seq_lengths");
-  if (query_seq_lengths.has_value()) m.q_lengths = in->q_lengths.data();
-  if (key_value_seq_lengths.has_value()) m.kv_lengths = in->kv_lengths.data();
-  if (q_segment_ids.has_value()) {
-    m.q_segment_ids = q_segment_ids->const_data_ptr<int32_t>();
-    m.q_segment_strides[0] = q_segment_ids->stride(0);
-    m.q_segment_strides[1] = q_segment_ids->stride(1);
-    m.kv_segment_ids = kv_segment_ids->const_data_ptr<int32_t>();
-    m.kv_segment_strides[0] = kv_segment_ids->stride(0);
-    m.kv_segment_strides[1] = kv_segment_ids->stride(1);
+  in->q_lengths = LengthValues(a.query_seq_lengths, logits_shape[2], "query_seq_lengths");
+  in->kv_lengths = LengthValues(a.key_value_seq_lengths, logits_shape[3], "key_value_seq_lengths");
+  if (a.query_seq_lengths.has_value()) m.q_lengths = in->q_lengths.data();
+  if (a.key_value_seq_lengths.has_value()) m.kv_lengths = in->kv_lengths.data();
+  if (a.q_segment_ids.has_value()) {
+    m.q_segment_ids = a.q_segment_ids->const_data_ptr<int32_t>();
+    m.q_segment_strides[0] = a.q_segment_ids->stride(0);
+    m.q_segment_strides[1] = a.q_segment_ids->stride(1);
+    m.kv_segment_ids = a.kv_segment_ids->const_data_ptr<int32_t>();
+    m.kv_segment_strides[0] = a.kv_segment_ids->stride(0);
+    m.kv_segment_strides[1] = a.kv_segment_ids->stride(1);
   }
-  p.scale = static_cast<float>(ScaleOf(scale, sig));
-  p.logits_soft_cap = logits_soft_cap.has_value() ? static_cast<float>(*logits_soft_cap) : 0.0f;
+  p.scale = static_cast<float>(ScaleOf(a.scale, sig));
+  p.logits_soft_cap = a.logits_soft_cap.has_value() ? static_cast<float>(*a.logits_soft_cap) : 0.0f;
 }
 
 void SetLse(Tensor& lse, DotProductAttentionParams* p) {
@@ -300,23 +354,14 @@ void CheckCpu(const Tensor& query) {
 
 // ---- the CPU kernels ---------------------------------------------------------------------------
 
-std::tuple<Tensor, Tensor> DotProductAttentionCpu(
-    const Tensor& query, const Tensor& key, const Tensor& value, const std::optional<Tensor>& bias,
-    const std::optional<Tensor>& mask, std::optional<double> scale, bool is_causal,
-    const std::optional<Tensor>& query_seq_lengths, const std::optional<Tensor>& key_value_seq_lengths,
-    at::OptionalIntArrayRef local_window_size, std::optional<double> logits_soft_cap,
-    const std::optional<Tensor>& q_segment_ids, const std::optional<Tensor>& kv_segment_ids,
-    at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
-  const AttentionSignature sig =
-      CheckAttentionArgs(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
-                         local_window_size, logits_soft_cap, q_segment_ids, kv_segment_ids, config, bwd_config);
-  CheckCpu(query);
-  const DotProductAttentionConfig resolved = ResolveConfig(sig.configs.forward, sig, query.scalar_type(), 0);
+std::tuple<Tensor, Tensor> DotProductAttentionCpu(const AttentionArgs& a) {
+  const AttentionSignature sig = CheckAttentionArgs(a);
+  CheckCpu(a.query);
+  const DotProductAttentionConfig resolved = ResolveConfig(sig.configs.forward, sig, a.query.scalar_type(), 0);
   KernelInputs in;
-  FillKernelInputs(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
-                   logits_soft_cap, q_segment_ids, kv_segment_ids, sig, &in);
-  Tensor out = at::empty_symint(OutShape(sig), query.options());
-  Tensor lse = at::empty_symint(LseShape(sig), query.options().dtype(sig.lse_dtype));
+  FillKernelInputs(a, sig, &in);
+  Tensor out = at::empty_symint(OutShape(sig), a.query.options());
+  Tensor lse = at::empty_symint(LseShape(sig), a.query.options().dtype(sig.lse_dtype));
   AdviseHugePages(out);
   in.params.out = MutableViewOf(out);
   SetLse(lse, &in.params);
@@ -325,23 +370,16 @@ std::tuple<Tensor, Tensor> DotProductAttentionCpu(
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor> DotProductAttentionMeta(
-    const Tensor& query, const Tensor& key, const Tensor& value, const std::optional<Tensor>& bias,
-    const std::optional<Tensor>& mask, std::optional<double> scale, bool is_causal,
-    const std::optional<Tensor>& query_seq_lengths, const std::optional<Tensor>& key_value_seq_lengths,
-    at::OptionalIntArrayRef local_window_size, std::optional<double> logits_soft_cap,
-    const std::optional<Tensor>& q_segment_ids, const std::optional<Tensor>& kv_segment_ids,
-    at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
-  const AttentionSignature sig =
-      CheckAttentionArgs(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
-                         local_window_size, logits_soft_cap, q_segment_ids, kv_segment_ids, config, bwd_config);
-  return {at::empty_symint(OutShape(sig), query.options()),
-          at::empty_symint(LseShape(sig), query.options().dtype(sig.lse_dtype))};
+std::tuple<Tensor, Tensor> DotProductAttentionMeta(const AttentionArgs& a) {
+  const AttentionSignature sig = CheckAttentionArgs(a);
+  return {at::empty_symint(OutShape(sig), a.query.options()),
+          at::empty_symint(LseShape(sig), a.query.options().dtype(sig.lse_dtype))};
 }
 
 // Checks the backward's own tensors against the forward's signature.
-void CheckBackwardArgs(const Tensor& dout, const std::optional<Tensor>& dlse, const Tensor& out, const Tensor& lse,
-                       const Tensor& query, const AttentionSignature& sig) {
+void CheckBackwardArgs(const GradArgs& g, const Tensor& query, const AttentionSignature& sig) {
+  const Tensor &dout = g.dout, &out = g.out, &lse = g.lse;
+  const std::optional<Tensor>& dlse = g.dlse;
   const std::vector<c10::SymInt> out_shape = OutShape(sig), lse_shape = LseShape(sig);
   auto same_shape = [](const Tensor& t, const std::vector<c10::SymInt>& shape) {
     if (t.dim() != static_cast<int64_t>(shape.size())) return c10::SymBool(false);
@@ -368,123 +406,92 @@ void CheckBackwardArgs(const Tensor& dout, const std::optional<Tensor>& dlse, co
   }
 }
 
-using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
-
-BackwardResult EmptyGradients(const Tensor& query, const Tensor& key, const Tensor& value,
-                              const std::optional<Tensor>& bias, bool bias_requires_grad,
-                              const AttentionSignature& sig) {
-  Tensor dq = at::empty_symint({sig.batch, sig.q_len, sig.q_heads, sig.head_dim}, query.options());
-  Tensor dk = at::empty_symint({sig.batch, sig.kv_len, sig.kv_heads, sig.head_dim}, key.options());
-  Tensor dv = at::empty_symint({sig.batch, sig.kv_len, sig.kv_heads, sig.value_dim}, value.options());
-  Tensor dbias = bias_requires_grad && bias.has_value() ? at::empty_symint(bias->sym_sizes(), bias->options())
-                                                        : at::empty({0}, query.options());
+BackwardResult EmptyGradients(const AttentionArgs& a, bool bias_requires_grad, const AttentionSignature& sig) {
+  Tensor dq = at::empty_symint({sig.batch, sig.q_len, sig.q_heads, sig.head_dim}, a.query.options());
+  Tensor dk = at::empty_symint({sig.batch, sig.kv_len, sig.kv_heads, sig.head_dim}, a.key.options());
+  Tensor dv = at::empty_symint({sig.batch, sig.kv_len, sig.kv_heads, sig.value_dim}, a.value.options());
+  Tensor dbias = bias_requires_grad && a.bias.has_value() ? at::empty_symint(a.bias->sym_sizes(), a.bias->options())
+                                                          : at::empty({0}, a.query.options());
   return {dq, dk, dv, dbias};
 }
 
-BackwardResult DotProductAttentionBackwardCpu(
-    const Tensor& dout, const std::optional<Tensor>& dlse, const Tensor& query, const Tensor& key,
-    const Tensor& value, const std::optional<Tensor>& bias, const std::optional<Tensor>& mask, const Tensor& out,
-    const Tensor& lse, std::optional<double> scale, bool is_causal, const std::optional<Tensor>& query_seq_lengths,
-    const std::optional<Tensor>& key_value_seq_lengths, at::OptionalIntArrayRef local_window_size,
-    std::optional<double> logits_soft_cap, const std::optional<Tensor>& q_segment_ids,
-    const std::optional<Tensor>& kv_segment_ids, bool bias_requires_grad, at::OptionalIntArrayRef bwd_config) {
-  const AttentionSignature sig =
-      CheckAttentionArgs(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
-                         local_window_size, logits_soft_cap, q_segment_ids, kv_segment_ids, std::nullopt, bwd_config);
-  CheckBackwardArgs(dout, dlse, out, lse, query, sig);
-  CheckCpu(query);
-  const DotProductAttentionConfig resolved = ResolveConfig(sig.configs.backward, sig, query.scalar_type(), 1);
+BackwardResult DotProductAttentionBackwardCpu(const AttentionArgs& a, const GradArgs& grad) {
+  const AttentionSignature sig = CheckAttentionArgs(a);
+  CheckBackwardArgs(grad, a.query, sig);
+  CheckCpu(a.query);
+  const DotProductAttentionConfig resolved = ResolveConfig(sig.configs.backward, sig, a.query.scalar_type(), 1);
   KernelInputs in;
-  FillKernelInputs(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
-                   logits_soft_cap, q_segment_ids, kv_segment_ids, sig, &in);
-  auto [dq, dk, dv, dbias] = EmptyGradients(query, key, value, bias, bias_requires_grad, sig);
+  FillKernelInputs(a, sig, &in);
+  auto [dq, dk, dv, dbias] = EmptyGradients(a, grad.bias_requires_grad, sig);
   DotProductAttentionGradParams g;
   g.forward = in.params;
-  Tensor out_view = out;  // read only; MutableTensor4View is the params' type for the output
+  Tensor out_view = grad.out;  // read only; MutableTensor4View is the params' type for the output
   g.forward.out = MutableViewOf(out_view);
-  Tensor lse_view = lse;
+  Tensor lse_view = grad.lse;
   SetLse(lse_view, &g.forward);
-  g.dout = ViewOf(dout);
-  if (dlse.has_value()) {
-    g.dlse = dlse->const_data_ptr();
-    for (int64_t d = 0; d < 3; ++d) g.dlse_strides[d] = dlse->stride(d);
+  g.dout = ViewOf(grad.dout);
+  if (grad.dlse.has_value()) {
+    g.dlse = grad.dlse->const_data_ptr();
+    for (int64_t d = 0; d < 3; ++d) g.dlse_strides[d] = grad.dlse->stride(d);
   }
   g.dq = MutableViewOf(dq);
   g.dk = MutableViewOf(dk);
   g.dv = MutableViewOf(dv);
   Tensor dense_dbias;
-  if (bias_requires_grad && bias.has_value()) {
+  if (grad.bias_requires_grad && a.bias.has_value()) {
     dense_dbias = at::empty({sig.batch.expect_int(), sig.q_heads.expect_int(), sig.q_len.expect_int(),
                              sig.kv_len.expect_int()},
-                            query.options().dtype(sig.lse_dtype));
+                            a.query.options().dtype(sig.lse_dtype));
     g.dbias = dense_dbias.data_ptr();
   }
   const Status status = DotProductAttentionBackward(g, resolved);
   TORCH_CHECK(status.ok(), status.message());
-  if (dense_dbias.defined()) dbias.copy_(dense_dbias.sum_to_size(bias->sizes()));
+  if (dense_dbias.defined()) dbias.copy_(dense_dbias.sum_to_size(a.bias->sizes()));
   return {dq, dk, dv, dbias};
 }
 
-BackwardResult DotProductAttentionBackwardMeta(
-    const Tensor& dout, const std::optional<Tensor>& dlse, const Tensor& query, const Tensor& key,
-    const Tensor& value, const std::optional<Tensor>& bias, const std::optional<Tensor>& mask, const Tensor& out,
-    const Tensor& lse, std::optional<double> scale, bool is_causal, const std::optional<Tensor>& query_seq_lengths,
-    const std::optional<Tensor>& key_value_seq_lengths, at::OptionalIntArrayRef local_window_size,
-    std::optional<double> logits_soft_cap, const std::optional<Tensor>& q_segment_ids,
-    const std::optional<Tensor>& kv_segment_ids, bool bias_requires_grad, at::OptionalIntArrayRef bwd_config) {
-  const AttentionSignature sig =
-      CheckAttentionArgs(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
-                         local_window_size, logits_soft_cap, q_segment_ids, kv_segment_ids, std::nullopt, bwd_config);
-  CheckBackwardArgs(dout, dlse, out, lse, query, sig);
-  return EmptyGradients(query, key, value, bias, bias_requires_grad, sig);
+BackwardResult DotProductAttentionBackwardMeta(const AttentionArgs& a, const GradArgs& grad) {
+  const AttentionSignature sig = CheckAttentionArgs(a);
+  CheckBackwardArgs(grad, a.query, sig);
+  return EmptyGradients(a, grad.bias_requires_grad, sig);
 }
 
 // ---- the reference: plain ATen ops, fp32 (float64 for float64) softmax -------------------------
 
 // Which (b, n, t, s) are visible, as a bool tensor broadcastable to [B, N, T, S]; undefined
 // when every pair is.
-Tensor VisibilityMask(const Tensor& query, const std::optional<Tensor>& mask, bool is_causal,
-                      const std::optional<Tensor>& query_seq_lengths,
-                      const std::optional<Tensor>& key_value_seq_lengths, const std::optional<Tensor>& q_segment_ids,
-                      const std::optional<Tensor>& kv_segment_ids, const AttentionSignature& sig) {
-  const auto index_options = query.options().dtype(at::kLong);
+Tensor VisibilityMask(const AttentionArgs& a, const AttentionSignature& sig) {
+  const auto index_options = a.query.options().dtype(at::kLong);
   const Tensor t = at::arange(c10::Scalar(sig.q_len), index_options).view({-1, 1});   // [T, 1]
   const Tensor s = at::arange(c10::Scalar(sig.kv_len), index_options).view({1, -1});  // [1, S]
   Tensor visible;
   auto both = [&visible](const Tensor& condition) { visible = visible.defined() ? visible & condition : condition; };
-  if (is_causal) both(s <= t);
+  if (a.is_causal) both(s <= t);
   if (sig.window_left < AttentionMasks::kUnbounded) both(s >= t - sig.window_left);
   if (sig.window_right < AttentionMasks::kUnbounded) both(s <= t + sig.window_right);
-  if (query_seq_lengths.has_value()) both(t.view({1, 1, -1, 1}) < query_seq_lengths->view({-1, 1, 1, 1}));
-  if (key_value_seq_lengths.has_value()) both(s.view({1, 1, 1, -1}) < key_value_seq_lengths->view({-1, 1, 1, 1}));
-  if (q_segment_ids.has_value()) both(q_segment_ids->unsqueeze(1).unsqueeze(3) == kv_segment_ids->unsqueeze(1).unsqueeze(2));
-  if (mask.has_value()) both(*mask);
+  if (a.query_seq_lengths.has_value()) both(t.view({1, 1, -1, 1}) < a.query_seq_lengths->view({-1, 1, 1, 1}));
+  if (a.key_value_seq_lengths.has_value()) both(s.view({1, 1, 1, -1}) < a.key_value_seq_lengths->view({-1, 1, 1, 1}));
+  if (a.q_segment_ids.has_value()) {
+    both(a.q_segment_ids->unsqueeze(1).unsqueeze(3) == a.kv_segment_ids->unsqueeze(1).unsqueeze(2));
+  }
+  if (a.mask.has_value()) both(*a.mask);
   return visible;
 }
 
-std::tuple<Tensor, Tensor> DotProductAttentionReferenceImpl(
-    const Tensor& query, const Tensor& key, const Tensor& value, const std::optional<Tensor>& bias,
-    const std::optional<Tensor>& mask, std::optional<double> scale, bool is_causal,
-    const std::optional<Tensor>& query_seq_lengths, const std::optional<Tensor>& key_value_seq_lengths,
-    at::OptionalIntArrayRef local_window_size, std::optional<double> logits_soft_cap,
-    const std::optional<Tensor>& q_segment_ids, const std::optional<Tensor>& kv_segment_ids,
-    at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
-  const AttentionSignature sig =
-      CheckAttentionArgs(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
-                         local_window_size, logits_soft_cap, q_segment_ids, kv_segment_ids, config, bwd_config);
+std::tuple<Tensor, Tensor> DotProductAttentionReferenceImpl(const AttentionArgs& a) {
+  const AttentionSignature sig = CheckAttentionArgs(a);
   const at::ScalarType acc = sig.lse_dtype;
   const c10::SymInt group = sig.q_heads / sig.kv_heads;
   // [B, T, N, H] -> [B, K, G, T, H]; key and value [B, S, K, *] -> [B, K, 1, S, *] (no repeat).
-  const Tensor q = query.to(acc).view_symint({sig.batch, sig.q_len, sig.kv_heads, group, sig.head_dim})
+  const Tensor q = a.query.to(acc).view_symint({sig.batch, sig.q_len, sig.kv_heads, group, sig.head_dim})
                        .permute({0, 2, 3, 1, 4});
-  const Tensor k = key.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);
-  const Tensor v = value.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);
-  Tensor logits = at::matmul(q, k.transpose(-1, -2)) * ScaleOf(scale, sig);  // [B, K, G, T, S]
+  const Tensor k = a.key.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);
+  const Tensor v = a.value.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);
+  Tensor logits = at::matmul(q, k.transpose(-1, -2)) * ScaleOf(a.scale, sig);  // [B, K, G, T, S]
   logits = logits.reshape_symint({sig.batch, sig.q_heads, sig.q_len, sig.kv_len});
-  if (bias.has_value()) logits = logits + bias->to(acc);
-  if (logits_soft_cap.has_value()) logits = at::tanh(logits / *logits_soft_cap) * *logits_soft_cap;
-  const Tensor visible = VisibilityMask(query, mask, is_causal, query_seq_lengths, key_value_seq_lengths,
-                                        q_segment_ids, kv_segment_ids, sig);
+  if (a.bias.has_value()) logits = logits + a.bias->to(acc);
+  if (a.logits_soft_cap.has_value()) logits = at::tanh(logits / *a.logits_soft_cap) * *a.logits_soft_cap;
+  const Tensor visible = VisibilityMask(a, sig);
   const double neg_inf = -std::numeric_limits<double>::infinity();
   if (visible.defined()) logits = at::where(visible, logits, neg_inf);
   // Safe softmax: rows with no visible key have max -inf; shift them by 0 so exp gives 0, and
@@ -501,7 +508,7 @@ std::tuple<Tensor, Tensor> DotProductAttentionReferenceImpl(
   const Tensor weighted = at::matmul(probs.view_symint({sig.batch, sig.kv_heads, group, sig.q_len, sig.kv_len}), v);
   const Tensor out = (weighted.reshape_symint({sig.batch, sig.q_heads, sig.q_len, sig.value_dim}) / safe_sum)
                          .permute({0, 2, 1, 3})
-                         .to(query.scalar_type())
+                         .to(a.query.scalar_type())
                          .contiguous();
   const Tensor lse = at::where(nonempty, shift + at::log(safe_sum), neg_inf).squeeze(-1);
   return {out, lse};
@@ -509,16 +516,9 @@ std::tuple<Tensor, Tensor> DotProductAttentionReferenceImpl(
 
 // ---- autograd ----------------------------------------------------------------------------------
 
-using ForwardSignature = std::tuple<Tensor, Tensor>(
-    const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
-    std::optional<double>, bool, const std::optional<Tensor>&, const std::optional<Tensor>&, at::OptionalIntArrayRef,
-    std::optional<double>, const std::optional<Tensor>&, const std::optional<Tensor>&, at::OptionalIntArrayRef,
-    at::OptionalIntArrayRef);
-using BackwardSignature = BackwardResult(
-    const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
-    const std::optional<Tensor>&, const std::optional<Tensor>&, const Tensor&, const Tensor&, std::optional<double>,
-    bool, const std::optional<Tensor>&, const std::optional<Tensor>&, at::OptionalIntArrayRef, std::optional<double>,
-    const std::optional<Tensor>&, const std::optional<Tensor>&, bool, at::OptionalIntArrayRef);
+// The registered ops' C++ signatures: those of their m.impl entry points.
+using ForwardSignature = decltype(ForwardEntry<DotProductAttentionMeta>);
+using BackwardSignature = decltype(BackwardEntry<DotProductAttentionBackwardMeta>);
 
 const c10::TypedOperatorHandle<ForwardSignature>& ForwardOp() {
   static const auto op =
@@ -541,55 +541,68 @@ std::optional<double> OptionalDouble(const c10::IValue& value) {
   return value.isNone() ? std::nullopt : std::optional<double>(value.toDouble());
 }
 
-c10::IValue ToIValue(std::optional<double> value) { return value.has_value() ? c10::IValue(*value) : c10::IValue(); }
+std::optional<std::vector<int64_t>> OptionalInts(const c10::IValue& value) {
+  return value.isNone() ? std::nullopt : std::optional<std::vector<int64_t>>(value.toIntVector());
+}
+
+template <typename T>
+c10::IValue ToIValue(const std::optional<T>& value) {
+  return value.has_value() ? c10::IValue(*value) : c10::IValue();
+}
 
 // Residuals: the inputs, out and logsumexp. The backward recomputes probabilities from them
 // tile by tile (FlashAttention-2), so nothing of size T x S is saved.
+//
+// apply() counts only tensor arguments as inputs, so the four that can have gradients are passed
+// on their own as well as in the AttentionArgs (the other tensors are bool or integer).
 class DotProductAttentionFunction : public torch::autograd::Function<DotProductAttentionFunction> {
  public:
-  static tensor_list forward(AutogradContext* ctx, const Tensor& query, const Tensor& key, const Tensor& value,
-                             const std::optional<Tensor>& bias, const std::optional<Tensor>& mask,
-                             std::optional<double> scale, bool is_causal,
-                             const std::optional<Tensor>& query_seq_lengths,
-                             const std::optional<Tensor>& key_value_seq_lengths,
-                             at::OptionalIntArrayRef local_window_size, std::optional<double> logits_soft_cap,
-                             const std::optional<Tensor>& q_segment_ids, const std::optional<Tensor>& kv_segment_ids,
-                             at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
+  static tensor_list forward(AutogradContext* ctx, const Tensor& /*query*/, const Tensor& /*key*/,
+                             const Tensor& /*value*/, const std::optional<Tensor>& /*bias*/, const AttentionArgs& a) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse] =
-        ForwardOp().call(query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
-                         local_window_size, logits_soft_cap, q_segment_ids, kv_segment_ids, config, bwd_config);
-    ctx->saved_data["scale"] = ToIValue(scale);
-    ctx->saved_data["is_causal"] = is_causal;
-    ctx->saved_data["has_window"] = local_window_size.has_value();
-    ctx->saved_data["window"] = local_window_size.has_value() ? local_window_size->vec() : std::vector<int64_t>{};
-    ctx->saved_data["logits_soft_cap"] = ToIValue(logits_soft_cap);
-    ctx->saved_data["has_bwd_config"] = bwd_config.has_value();
-    ctx->saved_data["bwd_config"] = bwd_config.has_value() ? bwd_config->vec() : std::vector<int64_t>{};
-    ctx->save_for_backward({query, key, value, bias.value_or(Tensor()), mask.value_or(Tensor()),
-                            query_seq_lengths.value_or(Tensor()), key_value_seq_lengths.value_or(Tensor()),
-                            q_segment_ids.value_or(Tensor()), kv_segment_ids.value_or(Tensor()), out, lse});
+    auto [out, lse] = ForwardOp().call(a.query, a.key, a.value, a.bias, a.mask, a.scale, a.is_causal,
+                                       a.query_seq_lengths, a.key_value_seq_lengths, Ref(a.local_window_size),
+                                       a.logits_soft_cap, a.q_segment_ids, a.kv_segment_ids, Ref(a.config),
+                                       Ref(a.bwd_config));
+    ctx->saved_data["scale"] = ToIValue(a.scale);
+    ctx->saved_data["is_causal"] = a.is_causal;
+    ctx->saved_data["window"] = ToIValue(a.local_window_size);
+    ctx->saved_data["logits_soft_cap"] = ToIValue(a.logits_soft_cap);
+    ctx->saved_data["bwd_config"] = ToIValue(a.bwd_config);
+    ctx->save_for_backward({a.query, a.key, a.value, a.bias.value_or(Tensor()), a.mask.value_or(Tensor()),
+                            a.query_seq_lengths.value_or(Tensor()), a.key_value_seq_lengths.value_or(Tensor()),
+                            a.q_segment_ids.value_or(Tensor()), a.kv_segment_ids.value_or(Tensor()), out, lse});
     return {out, lse};
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
+    const AttentionArgs a{saved[0],
+                          saved[1],
+                          saved[2],
+                          Optional(saved[3]),
+                          Optional(saved[4]),
+                          OptionalDouble(ctx->saved_data["scale"]),
+                          ctx->saved_data["is_causal"].toBool(),
+                          Optional(saved[5]),
+                          Optional(saved[6]),
+                          OptionalInts(ctx->saved_data["window"]),
+                          OptionalDouble(ctx->saved_data["logits_soft_cap"]),
+                          Optional(saved[7]),
+                          Optional(saved[8]),
+                          /*config=*/std::nullopt,
+                          OptionalInts(ctx->saved_data["bwd_config"])};
     const Tensor& out = saved[9];
     const Tensor& lse = saved[10];
     // Only logsumexp may be used downstream: out's cotangent is then zero.
     const Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
-    const std::vector<int64_t> window = ctx->saved_data["window"].toIntVector();
-    const std::vector<int64_t> bwd_config = ctx->saved_data["bwd_config"].toIntVector();
-    at::OptionalIntArrayRef window_ref, config_ref;
-    if (ctx->saved_data["has_window"].toBool()) window_ref = at::IntArrayRef(window);
-    if (ctx->saved_data["has_bwd_config"].toBool()) config_ref = at::IntArrayRef(bwd_config);
-    const bool bias_requires_grad = saved[3].defined() && ctx->needs_input_grad(3);
-    auto [dq, dk, dv, dbias] = BackwardOp().call(
-        dout, Optional(grads[1]), saved[0], saved[1], saved[2], Optional(saved[3]), Optional(saved[4]), out, lse,
-        OptionalDouble(ctx->saved_data["scale"]), ctx->saved_data["is_causal"].toBool(), Optional(saved[5]),
-        Optional(saved[6]), window_ref, OptionalDouble(ctx->saved_data["logits_soft_cap"]), Optional(saved[7]),
-        Optional(saved[8]), bias_requires_grad, config_ref);
-    tensor_list result(15);
+    const bool bias_requires_grad = a.bias.has_value() && ctx->needs_input_grad(3);
+    auto [dq, dk, dv, dbias] =
+        BackwardOp().call(dout, Optional(grads[1]), a.query, a.key, a.value, a.bias, a.mask, out, lse, a.scale,
+                          a.is_causal, a.query_seq_lengths, a.key_value_seq_lengths, Ref(a.local_window_size),
+                          a.logits_soft_cap, a.q_segment_ids, a.kv_segment_ids, bias_requires_grad,
+                          Ref(a.bwd_config));
+    tensor_list result(5);  // one per forward argument: query, key, value, bias, the AttentionArgs
     result[0] = dq;
     result[1] = dk;
     result[2] = dv;
@@ -598,16 +611,8 @@ class DotProductAttentionFunction : public torch::autograd::Function<DotProductA
   }
 };
 
-std::tuple<Tensor, Tensor> DotProductAttentionAutograd(
-    const Tensor& query, const Tensor& key, const Tensor& value, const std::optional<Tensor>& bias,
-    const std::optional<Tensor>& mask, std::optional<double> scale, bool is_causal,
-    const std::optional<Tensor>& query_seq_lengths, const std::optional<Tensor>& key_value_seq_lengths,
-    at::OptionalIntArrayRef local_window_size, std::optional<double> logits_soft_cap,
-    const std::optional<Tensor>& q_segment_ids, const std::optional<Tensor>& kv_segment_ids,
-    at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
-  const tensor_list outputs = DotProductAttentionFunction::apply(
-      query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size,
-      logits_soft_cap, q_segment_ids, kv_segment_ids, config, bwd_config);
+std::tuple<Tensor, Tensor> DotProductAttentionAutograd(const AttentionArgs& a) {
+  const tensor_list outputs = DotProductAttentionFunction::apply(a.query, a.key, a.value, a.bias, a);
   return {outputs[0], outputs[1]};
 }
 
@@ -616,10 +621,11 @@ std::tuple<Tensor, Tensor> DotProductAttentionAutograd(
 DotProductAttentionShape ConfigShape(const Tensor& query, const Tensor& key, const Tensor& value, bool block_sparse,
                                      int64_t product) {
   TORCH_CHECK(product == 0 || product == 1, kOp, ": product must be 0 (forward) or 1 (backward), got ", product);
-  const AttentionSignature sig =
-      CheckAttentionArgs(query, key, value, std::nullopt, std::nullopt, std::nullopt, false, std::nullopt,
-                         std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
-                         std::nullopt);
+  AttentionArgs args;  // no masks, no configs
+  args.query = query;
+  args.key = key;
+  args.value = value;
+  const AttentionSignature sig = CheckAttentionArgs(args);
   DotProductAttentionShape shape = ShapeOf(sig);
   shape.block_sparse = block_sparse;
   return shape;
@@ -684,12 +690,12 @@ TORCH_LIBRARY_FRAGMENT(tokamax, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokamax, CPU, m) {
-  m.impl("dot_product_attention", &tokamax::DotProductAttentionCpu);
-  m.impl("_dot_product_attention_backward", &tokamax::DotProductAttentionBackwardCpu);
+  m.impl("dot_product_attention", &tokamax::ForwardEntry<tokamax::DotProductAttentionCpu>);
+  m.impl("_dot_product_attention_backward", &tokamax::BackwardEntry<tokamax::DotProductAttentionBackwardCpu>);
 }
 
 TORCH_LIBRARY_IMPL(tokamax, CompositeImplicitAutograd, m) {
-  m.impl("dot_product_attention_reference", &tokamax::DotProductAttentionReferenceImpl);
+  m.impl("dot_product_attention_reference", &tokamax::ForwardEntry<tokamax::DotProductAttentionReferenceImpl>);
 }
 
 TORCH_LIBRARY_IMPL(tokamax, CompositeExplicitAutograd, m) {
@@ -698,10 +704,10 @@ TORCH_LIBRARY_IMPL(tokamax, CompositeExplicitAutograd, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokamax, Meta, m) {
-  m.impl("dot_product_attention", &tokamax::DotProductAttentionMeta);
-  m.impl("_dot_product_attention_backward", &tokamax::DotProductAttentionBackwardMeta);
+  m.impl("dot_product_attention", &tokamax::ForwardEntry<tokamax::DotProductAttentionMeta>);
+  m.impl("_dot_product_attention_backward", &tokamax::BackwardEntry<tokamax::DotProductAttentionBackwardMeta>);
 }
 
 TORCH_LIBRARY_IMPL(tokamax, Autograd, m) {
-  m.impl("dot_product_attention", &tokamax::DotProductAttentionAutograd);
+  m.impl("dot_product_attention", &tokamax::ForwardEntry<tokamax::DotProductAttentionAutograd>);
 }

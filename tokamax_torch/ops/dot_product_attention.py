@@ -74,14 +74,6 @@ def _window(local_window_size: WindowLike) -> Optional[list[int]]:
     )
 
 
-def _split_configs(configs) -> tuple[ConfigLike, ConfigLike]:
-    if configs is None:
-        return None, None
-    if not isinstance(configs, (tuple, list)) or len(configs) != 2:
-        raise TypeError(f"dot_product_attention: configs must be a (fwd, bwd) pair or None, got {configs!r}")
-    return configs[0], configs[1]
-
-
 def _optional_float(value, name: str) -> Optional[float]:
     if value is None:
         return None
@@ -96,36 +88,13 @@ def _block_sparse(is_causal, local_window_size, query_seq_lengths, key_value_seq
         key_value_seq_lengths is not None) or q_segment_ids is not None
 
 
-def _spec(t) -> Optional[dict]:
-    if t is None:
-        return None
-    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-
-
-class _DotProductAttention:
+class _DotProductAttention(_configs.OpSingleton):
     """A dot_product_attention implementation; ``reference`` and ``kernel`` share this signature."""
 
-    #: The op family, as named in cache files and on the autotuning command line.
     family = "dot_product_attention"
     #: Products an autotuner tunes separately: the forward call and its backward.
-    products = tuple(PRODUCTS)
+    product_ids = PRODUCTS
     config_cls = Config
-
-    def __init__(self, name: str, op) -> None:
-        self.name = name
-        self._op = op
-
-    @property
-    def tunable(self) -> bool:
-        return self._op is torch.ops.tokamax.dot_product_attention.default
-
-    @property
-    def op(self):
-        """The registered ``torch.ops.tokamax`` overload this singleton calls."""
-        return self._op
-
-    def __repr__(self) -> str:
-        return f"tokamax_torch.ops.dot_product_attention.{self.name}"
 
     def __call__(
         self,
@@ -147,7 +116,7 @@ class _DotProductAttention:
         configs=None,
     ):
         """Attention output ``[B,T,N,Hv]``; ``(out, logsumexp[B,N,T])`` when return_residuals."""
-        fwd, bwd = _split_configs(configs)
+        fwd, bwd = self._split_configs(configs)
         out, logsumexp = self._op(
             query,
             key,
@@ -184,12 +153,10 @@ class _DotProductAttention:
                      query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None, q_segment_ids=None,
                      **unused) -> list[Config]:
         """Autotuning candidates, heuristic first, for the forward or the backward pass."""
-        if product not in PRODUCTS:
-            raise ValueError(f"dot_product_attention: product must be one of {list(PRODUCTS)}, got {product!r}")
+        product_id = self._check_product(product)
         sparse = _block_sparse(is_causal, local_window_size, query_seq_lengths, key_value_seq_lengths, q_segment_ids)
-        flat = torch.ops.tokamax._dot_product_attention_config_space(query, key, value, sparse, PRODUCTS[product])
-        n = len(dataclasses.fields(Config))
-        return [Config(*flat[i : i + n]) for i in range(0, len(flat), n)]
+        flat = torch.ops.tokamax._dot_product_attention_config_space(query, key, value, sparse, product_id)
+        return self._configs_from_flat(flat)
 
     def assemble_configs(self, per_product: dict) -> tuple[Config, Config]:
         """(fwd, bwd) from one Config per product."""
@@ -210,19 +177,18 @@ class _DotProductAttention:
         change per batch), the causal flag, the normalised window, whether a soft cap is set,
         and the product. The scale does not change the work and is left out.
         """
-        if product not in PRODUCTS:
-            raise ValueError(f"dot_product_attention: product must be one of {list(PRODUCTS)}, got {product!r}")
+        self._check_product(product)
         return {
-            "query": _spec(query),
-            "key": _spec(key),
-            "value": _spec(value),
-            "bias": _spec(bias),
-            "mask": _spec(mask),
+            "query": _configs.tensor_spec(query),
+            "key": _configs.tensor_spec(key),
+            "value": _configs.tensor_spec(value),
+            "bias": _configs.tensor_spec(bias),
+            "mask": _configs.tensor_spec(mask),
             "is_causal": bool(is_causal),
             "local_window_size": _window(local_window_size),
-            "query_seq_lengths": _spec(query_seq_lengths),
-            "key_value_seq_lengths": _spec(key_value_seq_lengths),
-            "segment_ids": _spec(q_segment_ids),
+            "query_seq_lengths": _configs.tensor_spec(query_seq_lengths),
+            "key_value_seq_lengths": _configs.tensor_spec(key_value_seq_lengths),
+            "segment_ids": _configs.tensor_spec(q_segment_ids),
             "logits_soft_cap": logits_soft_cap is not None,
             "product": product,
         }

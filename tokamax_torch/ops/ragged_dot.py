@@ -118,38 +118,13 @@ def _dtype(preferred_element_type: DTypeLike) -> Optional[torch.dtype]:
     )
 
 
-def _split_configs(configs) -> tuple[ConfigLike, ConfigLike]:
-    if configs is None:
-        return None, None
-    if not isinstance(configs, (tuple, list)) or len(configs) != 2:
-        raise TypeError(f"ragged_dot: configs must be a (fwd, bwd) pair or None, got {configs!r}")
-    return configs[0], configs[1]
-
-
-class _RaggedDot:
+class _RaggedDot(_configs.OpSingleton):
     """A ragged_dot implementation; ``reference`` and ``kernel`` share this signature."""
 
-    #: The op family, as named in cache files and on the autotuning command line.
     family = "ragged_dot"
     #: Products an autotuner tunes separately: the call itself and its two gradient products.
-    products = tuple(PRODUCTS)
+    product_ids = PRODUCTS
     config_cls = Config
-
-    def __init__(self, name: str, op) -> None:
-        self.name = name
-        self._op = op
-
-    @property
-    def tunable(self) -> bool:
-        return self._op is torch.ops.tokamax.ragged_dot.default
-
-    @property
-    def op(self):
-        """The registered ``torch.ops.tokamax`` overload this singleton calls."""
-        return self._op
-
-    def __repr__(self) -> str:
-        return f"tokamax_torch.ops.ragged_dot.{self.name}"
 
     def __call__(
         self,
@@ -161,7 +136,7 @@ class _RaggedDot:
         preferred_element_type: DTypeLike = None,
         configs=None,
     ) -> torch.Tensor:
-        fwd, bwd = _split_configs(configs)
+        fwd, bwd = self._split_configs(configs)
         return self._op(
             lhs,
             rhs,
@@ -196,15 +171,13 @@ class _RaggedDot:
 
     def config_space(self, lhs, rhs, group_sizes, *, product: str = "forward", **kwargs) -> list[Config]:
         """Autotuning candidates, heuristic first, for the forward call or one gradient product."""
-        if product not in PRODUCTS:
-            raise ValueError(f"ragged_dot: product must be one of {list(PRODUCTS)}, got {product!r}")
+        product_id = self._check_product(product)
         flat = torch.ops.tokamax._ragged_dot_config_space(
             *_config_op_args(lhs, rhs, group_sizes, kwargs.get("ragged_dot_dimension_numbers"),
                              kwargs.get("preferred_element_type")),
-            PRODUCTS[product],
+            product_id,
         )
-        n = len(dataclasses.fields(Config))
-        return [Config(*flat[i : i + n]) for i in range(0, len(flat), n)]
+        return self._configs_from_flat(flat)
 
 
     def assemble_configs(self, per_product: dict) -> tuple[Config, BackwardConfig]:
@@ -224,16 +197,15 @@ class _RaggedDot:
         output dtype and the product. Group sizes appear as their list of values when the caller
         passes representative sizes as a Python sequence, else by shape and dtype only.
         """
-        if product not in PRODUCTS:
-            raise ValueError(f"ragged_dot: product must be one of {list(PRODUCTS)}, got {product!r}")
+        self._check_product(product)
         out_dtype = _dtype(preferred_element_type)
         if isinstance(group_sizes, torch.Tensor):
-            sizes = {"shape": list(group_sizes.shape), "dtype": str(group_sizes.dtype).removeprefix("torch.")}
+            sizes = _configs.tensor_spec(group_sizes)
         else:
             sizes = {"values": [int(v) for v in group_sizes]}
         return {
-            "lhs": {"shape": list(lhs.shape), "dtype": str(lhs.dtype).removeprefix("torch.")},
-            "rhs": {"shape": list(rhs.shape), "dtype": str(rhs.dtype).removeprefix("torch.")},
+            "lhs": _configs.tensor_spec(lhs),
+            "rhs": _configs.tensor_spec(rhs),
             "group_sizes": sizes,
             "ragged_dot_dimension_numbers": _flat_dimension_numbers(ragged_dot_dimension_numbers)
             or DEFAULT.flatten(),

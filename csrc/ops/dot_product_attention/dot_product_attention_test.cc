@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -17,12 +16,7 @@ namespace tokamax {
 namespace {
 
 using testing::Buffer;
-
-class ScopedIsa {
- public:
-  explicit ScopedIsa(Isa isa) { setenv("TOKAMAX_CPU_ISA", IsaName(isa), 1); }
-  ~ScopedIsa() { unsetenv("TOKAMAX_CPU_ISA"); }
-};
+using testing::ScopedIsa;
 
 struct Problem {
   int64_t batch = 1, q_len = 8, kv_len = 8, q_heads = 2, kv_heads = 1, head_dim = 16, value_dim = 16;

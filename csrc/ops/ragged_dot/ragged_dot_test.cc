@@ -2,7 +2,6 @@
 
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -15,12 +14,7 @@ namespace tokamax {
 namespace {
 
 using testing::Buffer;
-
-class ScopedIsa {
- public:
-  explicit ScopedIsa(Isa isa) { setenv("TOKAMAX_CPU_ISA", IsaName(isa), 1); }
-  ~ScopedIsa() { unsetenv("TOKAMAX_CPU_ISA"); }
-};
+using testing::ScopedIsa;
 
 struct Problem {
   RaggedDotForm form;
