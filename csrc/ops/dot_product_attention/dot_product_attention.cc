@@ -94,6 +94,15 @@ float* Scratch(std::vector<float>& buffer, int64_t floats) {
   return buffer.data();
 }
 
+// A tile of `rows` x `ld` floats that TileGemm reads in place as A (InPlaceA): whole mr-row
+// panels may read up to mr - 1 floats past the last row's `cols`, so one spare row follows,
+// zeroed; what it holds only feeds accumulator rows that are never stored.
+float* InPlaceTileScratch(std::vector<float>& buffer, int64_t rows, int64_t ld) {
+  float* tile = Scratch(buffer, (rows + 1) * ld);
+  std::fill(tile + rows * ld, tile + (rows + 1) * ld, 0.0f);
+  return tile;
+}
+
 // The rows of a task: (position t, query head n) for t in [t0, t0 + positions), n in the group.
 struct TaskRows {
   int64_t b = 0, kv_head = 0, t0 = 0, positions = 0, group = 0;
@@ -219,22 +228,18 @@ enum class TileVisibility { kNone, kPartial, kFull };
 
 struct RowMasks {
   std::vector<attention::KeyRange> ranges;  // per row
-  int64_t min_begin = 0, max_end = 0;       // of all rows' ranges: no row sees a key outside
+  int64_t max_end = 0;                      // of all rows' ranges: no row sees a key at or past it
   int32_t min_segment = 0, max_segment = 0;  // of the task's query positions (when segmented)
-  std::vector<float> lo, hi;                // per column: a tile's visible rows, for mask_columns
+  std::vector<float> lo, hi;                // per column: the current tile's visible rows (SetTileRanges)
 };
 
 void ComputeRowMasks(const AttentionMasks& m, const TaskRows& rows, int64_t kv_len, RowMasks* out) {
   out->ranges.resize(rows.count());
-  out->min_begin = kv_len;
   out->max_end = 0;
   for (int64_t r = 0; r < rows.count(); ++r) {
     const attention::KeyRange range = attention::VisibleKeys(m, rows.b, rows.t(r), kv_len);
     out->ranges[r] = range;
-    if (range.begin < range.end) {
-      out->min_begin = std::min(out->min_begin, range.begin);
-      out->max_end = std::max(out->max_end, range.end);
-    }
+    if (range.begin < range.end) out->max_end = std::max(out->max_end, range.end);
   }
   if (m.q_segment_ids != nullptr) {
     out->min_segment = std::numeric_limits<int32_t>::max();
@@ -250,6 +255,19 @@ void ComputeRowMasks(const AttentionMasks& m, const TaskRows& rows, int64_t kv_l
 // The keys of tile [s0, s0 + keys) that some row can see end by max_end: the rest is left out
 // of the products (causal diagonal tiles shrink to the block's last position).
 int64_t ClippedKeys(const RowMasks& rm, int64_t s0, int64_t keys) { return std::min(keys, rm.max_end - s0); }
+
+// Each row's visible keys of tile [s0, s0 + keys) relative to s0, as mask_columns takes them;
+// once per tile, shared by every head. Padding columns (r >= count) see the whole tile.
+void SetTileRanges(RowMasks& rm, int64_t count, int64_t s0, int64_t keys) {
+  const int64_t cols = RoundUp(count, 16);
+  rm.lo.resize(cols);
+  rm.hi.resize(cols);
+  for (int64_t r = 0; r < cols; ++r) {
+    const attention::KeyRange range = r < count ? rm.ranges[r] : attention::KeyRange{s0, s0 + keys};
+    rm.lo[r] = static_cast<float>(std::clamp<int64_t>(range.begin - s0, 0, keys));
+    rm.hi[r] = static_cast<float>(std::clamp<int64_t>(range.end - s0, 0, keys));
+  }
+}
 
 TileVisibility ClassifyTile(const AttentionMasks& m, const RowMasks& rm, int64_t b, int64_t s0, int64_t s1) {
   bool any = false, all = true;
@@ -287,7 +305,7 @@ Status GetKernels(Kernels* kernels) {
 
 // Turns st[key][row] = scale·q·k of tile [s0, s0 + keys) into final logits: + bias, soft cap,
 // then -inf where masked. When `tanh_out` is set it receives tanh(logit / cap) (backward).
-void FinishLogits(const DotProductAttentionParams& p, const Kernels& k, const TaskRows& rows, RowMasks& rm,
+void FinishLogits(const DotProductAttentionParams& p, const Kernels& k, const TaskRows& rows, const RowMasks& rm,
                   int64_t s0, int64_t keys, TileVisibility visibility, float* st, int64_t ld, float* tanh_out) {
   const int64_t count = rows.count();
   if (p.bias.data != nullptr) {
@@ -308,16 +326,8 @@ void FinishLogits(const DotProductAttentionParams& p, const Kernels& k, const Ta
     }
   }
   if (visibility == TileVisibility::kFull) return;
-  // Ranges, vectorized across rows; padding columns (r >= count) stay as they are.
-  const int64_t cols = RoundUp(count, 16);
-  rm.lo.resize(cols);
-  rm.hi.resize(cols);
-  for (int64_t r = 0; r < cols; ++r) {
-    const attention::KeyRange range = r < count ? rm.ranges[r] : attention::KeyRange{s0, s0 + keys};
-    rm.lo[r] = static_cast<float>(std::clamp<int64_t>(range.begin - s0, 0, keys));
-    rm.hi[r] = static_cast<float>(std::clamp<int64_t>(range.end - s0, 0, keys));
-  }
-  k.softmax->mask_columns(st, keys, ld, cols, rm.lo.data(), rm.hi.data());
+  // Ranges (SetTileRanges), vectorized across rows.
+  k.softmax->mask_columns(st, keys, ld, RoundUp(count, 16), rm.lo.data(), rm.hi.data());
   if (!attention::HasElementMasks(p.masks)) return;
   for (int64_t r = 0; r < count; ++r) {
     const int64_t t = rows.t(r), n = rows.n(r);
@@ -386,11 +396,8 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
 
   float* q_panels = Scratch(s.q_panels, heads * q_floats);  // per head: panels, or plain rows
   float* k_panels = Scratch(s.k_panels, k_tiles.tile_floats());
-  // P·V reads st in place as row_panels·mr rows, which may pass `cols`: the last key's
-  // overhang lands in one spare row, zeroed (it only feeds accumulator rows never stored).
   const int64_t st_rows = RoundUp(block, mr);
-  float* st = Scratch(s.st, (st_rows + 1) * cols);
-  std::fill(st + st_rows * cols, st + (st_rows + 1) * cols, 0.0f);
+  float* st = InPlaceTileScratch(s.st, st_rows, cols);  // P·V reads it in place
   float* v_panels = Scratch(s.v_panels, v_tiles.tile_floats());
   float* acc = Scratch(s.acc, heads * acc_floats);
   float* max = Scratch(s.max, heads * cols);
@@ -419,9 +426,11 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   // key_dots writes only the task's columns; the softmax reads all of them.
   if (row_dots) std::fill(st, st + st_rows * cols, 0.0f);
   for (int64_t s0 = kv_begin; s0 < kv_end; s0 += block) {
-    const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, rows.b, s0, s0 + std::min(block, kv_end - s0));
+    const int64_t tile_keys = std::min(block, kv_end - s0);
+    const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, rows.b, s0, s0 + tile_keys);
     if (visibility == TileVisibility::kNone) continue;
-    const int64_t keys = ClippedKeys(s.row_masks, s0, std::min(block, kv_end - s0));
+    const int64_t keys = ClippedKeys(s.row_masks, s0, tile_keys);
+    if (visibility == TileVisibility::kPartial) SetTileRanges(s.row_masks, count, s0, keys);
     for (int64_t h = 0; h < heads; ++h) {
       head_rows.kv_head = rows.kv_head + h;
       const int64_t kv_head = head_rows.kv_head;
@@ -540,10 +549,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
   float* k_rows = Scratch(s.k_rows, k_row_tiles.tile_floats());
   float* v_panels = Scratch(s.v_panels, v_tiles.tile_floats());
   float* st = Scratch(s.st, kv_rows * max_cols);
-  // dQ reads dpt in place as whole mr-row panels, which may pass `cols` on the last key: one
-  // spare zeroed row (see ForwardTask).
-  float* dpt = Scratch(s.dpt, (kv_rows + 1) * max_cols);
-  std::fill(dpt + kv_rows * max_cols, dpt + (kv_rows + 1) * max_cols, 0.0f);
+  float* dpt = InPlaceTileScratch(s.dpt, kv_rows, max_cols);  // dQ reads it in place
   float* tanh_values = p.logits_soft_cap > 0.0f ? Scratch(s.tanh, kv_rows * max_cols) : nullptr;
   float* a_panels = Scratch(s.a_panels, std::max(kv_rows * max_cols, max_rows * ld_dv));
   float* dq_acc = Scratch(s.dq_acc, RoundUp(max_rows, mr) * ld_dq);
@@ -561,33 +567,39 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
     const int64_t cols = RoundUp(count, nr);
     const int64_t row_panels = CeilDiv(count, mr);
     ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
-    // The block's operands: Q (scaled) and dO as rows, read in place as B, and transposed.
-    GatherRows(p.q, rows, d.head_dim, p.scale, q_rows, ld_dq);
-    k.softmax->transpose_panels(q_rows, ld_dq, count, d.head_dim, nr, q_panels);
-    GatherRows(g.dout, rows, d.value_dim, 1.0f, do_rows, ld_dv);
-    k.softmax->transpose_panels(do_rows, ld_dv, count, d.value_dim, nr, do_panels);
-    // Per row: lse (0 for rows that see nothing: their logits are all -inf, so P = 0) and
-    // delta = rowsum(dO ∘ O) - dlse.
-    std::fill(lse_sub, lse_sub + cols, 0.0f);
-    std::fill(delta, delta + cols, 0.0f);
-    float* out_rows = a_panels;  // free until the first tile
-    GatherRows(out, rows, d.value_dim, 1.0f, out_rows, ld_dv);
-    for (int64_t r = 0; r < count; ++r) {
-      const int64_t t = rows.t(r), n = rows.n(r);
-      const float lse = static_cast<const float*>(p.lse)[b * p.lse_strides[0] + n * p.lse_strides[1] + t * p.lse_strides[2]];
-      lse_sub[r] = lse == kNegInf ? 0.0f : lse;
-      float dot = 0.0f;
-      for (int64_t e = 0; e < d.value_dim; ++e) dot += do_rows[r * ld_dv + e] * out_rows[r * ld_dv + e];
-      if (g.dlse != nullptr) {
-        dot -= static_cast<const float*>(g.dlse)[b * g.dlse_strides[0] + n * g.dlse_strides[1] + t * g.dlse_strides[2]];
-      }
-      delta[r] = dot;
-    }
     std::fill(dq_acc, dq_acc + row_panels * mr * ld_dq, 0.0f);
-    for (int64_t s0 = 0; s0 < d.kv_len; s0 += block) {
-      const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, b, s0, s0 + std::min(block, d.kv_len - s0));
+    // A block no row of which sees a key (past its length) has dq = 0 and needs no operands.
+    const bool any_visible = s.row_masks.max_end > 0;
+    if (any_visible) {
+      // The block's operands: Q (scaled) and dO as rows, read in place as B, and transposed.
+      GatherRows(p.q, rows, d.head_dim, p.scale, q_rows, ld_dq);
+      k.softmax->transpose_panels(q_rows, ld_dq, count, d.head_dim, nr, q_panels);
+      GatherRows(g.dout, rows, d.value_dim, 1.0f, do_rows, ld_dv);
+      k.softmax->transpose_panels(do_rows, ld_dv, count, d.value_dim, nr, do_panels);
+      // Per row: lse (0 for rows that see nothing: their logits are all -inf, so P = 0) and
+      // delta = rowsum(dO ∘ O) - dlse.
+      std::fill(lse_sub, lse_sub + cols, 0.0f);
+      std::fill(delta, delta + cols, 0.0f);
+      float* out_rows = a_panels;  // free until the first tile
+      GatherRows(out, rows, d.value_dim, 1.0f, out_rows, ld_dv);
+      for (int64_t r = 0; r < count; ++r) {
+        const int64_t t = rows.t(r), n = rows.n(r);
+        const float lse = static_cast<const float*>(p.lse)[b * p.lse_strides[0] + n * p.lse_strides[1] + t * p.lse_strides[2]];
+        lse_sub[r] = lse == kNegInf ? 0.0f : lse;
+        float dot = 0.0f;
+        for (int64_t e = 0; e < d.value_dim; ++e) dot += do_rows[r * ld_dv + e] * out_rows[r * ld_dv + e];
+        if (g.dlse != nullptr) {
+          dot -= static_cast<const float*>(g.dlse)[b * g.dlse_strides[0] + n * g.dlse_strides[1] + t * g.dlse_strides[2]];
+        }
+        delta[r] = dot;
+      }
+    }
+    for (int64_t s0 = 0; any_visible && s0 < d.kv_len; s0 += block) {
+      const int64_t tile_keys = std::min(block, d.kv_len - s0);
+      const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, b, s0, s0 + tile_keys);
       if (visibility == TileVisibility::kNone) continue;
-      const int64_t keys = ClippedKeys(s.row_masks, s0, std::min(block, d.kv_len - s0));
+      const int64_t keys = ClippedKeys(s.row_masks, s0, tile_keys);
+      if (visibility == TileVisibility::kPartial) SetTileRanges(s.row_masks, count, s0, keys);
       const int64_t key_panels = CeilDiv(keys, mr);
       // P = exp(logits - lse), recomputed.
       TileGemm(gemm, d.head_dim, k_tiles.Tile(b, kv_head, s0, keys, k_panels), key_panels,
