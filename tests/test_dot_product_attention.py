@@ -161,12 +161,17 @@ def test_matches_sdpa(impl):
 
 def test_every_isa_tier(impl, monkeypatch):
     q, k, v = make_qkv(1, 40, 50, 4, 2, 24)
-    for isa in ("scalar", "avx2", "avx512"):
+    # Head dims that fit AMX tiles (H % 32, Hv % 16): the amx tier's bf16 tile path.
+    tile_q, tile_k, tile_v = make_qkv(1, 40, 50, 4, 2, 64, dtype=torch.bfloat16)
+    for isa in ("scalar", "avx2", "avx512", "amx"):
         monkeypatch.setenv("TOKAMAX_CPU_ISA", isa)
         try:
             assert_matches_oracle(impl, (q, k, v), {"is_causal": True, "logits_soft_cap": 1.5}, torch.float32)
         except RuntimeError as e:
             assert "not supported" in str(e)  # a tier this CPU lacks is a clear error, not a crash
+            continue
+        assert_matches_oracle(impl, (tile_q, tile_k, tile_v), {"is_causal": True, "local_window_size": (9, 2)},
+                              torch.bfloat16)
 
 
 def test_zero_length_sequences(impl):

@@ -14,6 +14,10 @@ struct CpuInfo {
   bool fma = false;
   bool f16c = false;
   bool avx512f = false;
+  bool avx512bw = false;
+  bool avx512bf16 = false;
+  bool amx_tile = false;  // the CPU's; the OS must also grant the tile state (isa.h)
+  bool amx_bf16 = false;
   int64_t l1d_bytes = 32 * 1024;
   int64_t l2_bytes = 512 * 1024;
   int64_t l3_bytes = 32 * 1024 * 1024;

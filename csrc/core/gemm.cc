@@ -16,7 +16,8 @@ const GemmKernels& GemmKernelsAvx512();
 
 const GemmKernels& GetGemmKernels(Isa isa) {
   switch (isa) {
-    case Isa::kAvx512: return GemmKernelsAvx512();
+    case Isa::kAvx512:
+    case Isa::kAmx: return GemmKernelsAvx512();  // bf16 tile products: amx_gemm.h
     case Isa::kAvx2: return GemmKernelsAvx2();
     case Isa::kScalar: break;
   }

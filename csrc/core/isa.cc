@@ -1,15 +1,37 @@
 #include "csrc/core/isa.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <cstring>
 
 namespace tokamax {
+namespace {
+
+// Linux keeps the AMX tile data state (XTILEDATA, 8 KiB per thread) off until a process asks
+// for it; without the grant the first tile instruction faults. Asked once, process-wide.
+bool TileDataPermitted() {
+#if defined(__linux__) && defined(__x86_64__)
+  static const bool permitted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
 
 const char* IsaName(Isa isa) {
   switch (isa) {
     case Isa::kScalar: return "scalar";
     case Isa::kAvx2: return "avx2";
     case Isa::kAvx512: return "avx512";
+    case Isa::kAmx: return "amx";
   }
   return "unknown";
 }
@@ -19,11 +41,15 @@ bool IsaSupported(Isa isa, const CpuInfo& info) {
     case Isa::kScalar: return true;
     case Isa::kAvx2: return info.avx2 && info.fma && info.f16c;
     case Isa::kAvx512: return IsaSupported(Isa::kAvx2, info) && info.avx512f;
+    case Isa::kAmx:
+      return IsaSupported(Isa::kAvx512, info) && info.avx512bw && info.avx512bf16 && info.amx_tile &&
+             info.amx_bf16 && TileDataPermitted();
   }
   return false;
 }
 
 Isa BestIsa(const CpuInfo& info) {
+  if (IsaSupported(Isa::kAmx, info)) return Isa::kAmx;
   if (IsaSupported(Isa::kAvx512, info)) return Isa::kAvx512;
   return IsaSupported(Isa::kAvx2, info) ? Isa::kAvx2 : Isa::kScalar;
 }
@@ -35,16 +61,16 @@ Status ActiveIsa(Isa* isa) {
     *isa = BestIsa(info);
     return Status::Ok();
   }
-  for (Isa candidate : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+  for (Isa candidate : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx}) {
     if (std::strcmp(forced, IsaName(candidate)) != 0) continue;
     if (!IsaSupported(candidate, info)) {
       return Status::Error(std::string("TOKAMAX_CPU_ISA=") + forced +
-                           " is not supported by this CPU (avx2 needs AVX2, FMA and F16C; avx512 also AVX-512F)");
+                           " is not supported by this CPU (avx2 needs AVX2, FMA and F16C; avx512 also AVX-512F; amx also AVX-512BW/BF16, AMX-TILE/BF16 and the OS tile state)");
     }
     *isa = candidate;
     return Status::Ok();
   }
-  return Status::Error(std::string("TOKAMAX_CPU_ISA: expected one of 'scalar', 'avx2', 'avx512', got '") +
+  return Status::Error(std::string("TOKAMAX_CPU_ISA: expected one of 'scalar', 'avx2', 'avx512', 'amx', got '") +
                        forced + "'");
 }
 

@@ -9,7 +9,10 @@
 
 namespace tokamax {
 
-enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// kAmx is avx512 plus the AMX tile unit for bf16 products (AVX-512BW/BF16, AMX-TILE/BF16, and
+// the OS's permission for the tile data state, requested once per process on first query).
+// Ops without an AMX path run their avx512 kernels on it.
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
 
 const char* IsaName(Isa isa);
 bool IsaSupported(Isa isa, const CpuInfo& info);

@@ -10,7 +10,7 @@ double FmaPeakAvx2(int64_t iterations);
 double FmaPeakAvx512(int64_t iterations);
 
 double MeasureFmaPeakGflops(Isa isa, int64_t iterations) {
-  if (isa == Isa::kAvx512) return FmaPeakAvx512(iterations);
+  if (isa == Isa::kAvx512 || isa == Isa::kAmx) return FmaPeakAvx512(iterations);  // fp32 FMA peak
   if (isa == Isa::kAvx2) return FmaPeakAvx2(iterations);
   // Scalar tier: 12 independent scalar chains.
   float acc[12];

@@ -42,6 +42,8 @@ struct SoftmaxKernels {
   // `dtype` at value + j * ld_value, contiguous along e; acc fp32 rows at acc + r * ld_acc.
   void (*accumulate_values)(DType dtype, const float* p, int64_t ld_p, int64_t keys, int64_t rows,
                             const void* value, int64_t ld_value, int64_t width, float* acc, int64_t ld_acc);
+  // x[r][c] *= scale[c] for r < rows, c < cols: scale_rows for a transposed accumulator.
+  void (*scale_columns)(float* x, int64_t ld, int64_t rows, int64_t cols, const float* scale);
 };
 
 constexpr int64_t kMaxRowDotRows = 8;

@@ -52,7 +52,7 @@ const SoftmaxKernels& SoftmaxKernelsAvx2() {
   using namespace softmax_avx2;
   static const SoftmaxKernels kernels = {&ColumnMax,        &ExpColumns,         &MaskColumns,
                                           &ScaleRows,        &TransposePanels,    &SoftmaxGradColumns,
-                                          &KeyDots,          &AccumulateValues};
+                                          &KeyDots,          &AccumulateValues, &ScaleColumns};
   return kernels;
 }
 

@@ -48,7 +48,7 @@ const SoftmaxKernels& SoftmaxKernelsAvx512() {
   using namespace softmax_avx512;
   static const SoftmaxKernels kernels = {&ColumnMax,        &ExpColumns,         &MaskColumns,
                                           &ScaleRows,        &TransposePanels,    &SoftmaxGradColumns,
-                                          &KeyDots,          &AccumulateValues};
+                                          &KeyDots,          &AccumulateValues, &ScaleColumns};
   return kernels;
 }
 

@@ -33,7 +33,7 @@ const SoftmaxKernels& SoftmaxKernelsScalar() {
   using namespace softmax_scalar;
   static const SoftmaxKernels kernels = {&ColumnMax,        &ExpColumns,         &MaskColumns,
                                           &ScaleRows,        &TransposePanels,    &SoftmaxGradColumns,
-                                          &KeyDots,          &AccumulateValues};
+                                          &KeyDots,          &AccumulateValues, &ScaleColumns};
   return kernels;
 }
 

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "csrc/core/amx_gemm.h"
 #include "csrc/core/gemm.h"
 #include "csrc/core/isa.h"
 #include "csrc/core/parallel.h"
@@ -132,6 +133,25 @@ void GatherRows(const Tensor4View& x, const TaskRows& rows, int64_t cols, float 
   });
 }
 
+// B(h, r) = X[row r][h] for the task's rows of a bf16 X (q or dout), zero for count <= r <
+// cols: X's rows transposed into the VNNI panels of amx_gemm.h, depth X's head dim (even). Each
+// row's pairs (h, h + 1) move as one unit; exact, no rounding.
+void PackRowsVnni(const Tensor4View& x, const TaskRows& rows, int64_t cols, uint16_t* dst) {
+  const int64_t depth = x.sizes[3], step = x.strides[3];
+  for (int64_t r = 0; r < cols; ++r) {
+    uint16_t* out = dst + (r / kAmxTileRows) * depth * kAmxTileRows + (r % kAmxTileRows) * 2;
+    if (r >= rows.count()) {
+      for (int64_t h = 0; h < depth; h += 2) out[h * kAmxTileRows] = out[h * kAmxTileRows + 1] = 0;
+      continue;
+    }
+    const uint16_t* src = static_cast<const uint16_t*>(ElementAddress(x, rows.b, rows.t(r), rows.n(r), 0));
+    for (int64_t h = 0; h < depth; h += 2) {
+      out[h * kAmxTileRows] = src[h * step];
+      out[h * kAmxTileRows + 1] = src[(h + 1) * step];
+    }
+  }
+}
+
 // The [S, C] matrix of kv head `kv_head` of batch b (key or value) as a GEMM operand.
 ConstMatrix KvMatrix(const Tensor4View& x, int64_t b, int64_t kv_head, int64_t s0, int64_t rows) {
   return {ElementAddress(x, b, s0, kv_head, 0), x.dtype, rows, x.sizes[3], x.strides[1], x.strides[3]};
@@ -223,6 +243,68 @@ Panels PackedA(const float* x, int64_t depth, int64_t mr) { return {x, mr, mr * 
 // Packed B panels of `depth` (pack_b's layout).
 Panels PackedB(const float* x, int64_t depth, int64_t nr) { return {x, nr, depth * nr}; }
 
+// bf16 K and V of every (batch, kv head) as AMX operands, copied once per call (O(S) memory):
+// K as row-major [S + 16 rounded up to 16][H] (the A operand of K·Qᵀ, read in whole 16-key
+// tiles from any tile start, a multiple of 8) and V transposed, [Hv][ld] with ld = that row
+// count plus 32 (the A operand of Vᵀ·Pᵀ, read 32 keys deep from any tile start). Padding is
+// zero, so every tile read stays in the copy.
+class AmxKv {
+ public:
+  AmxKv(const Tensor4View& key, const Tensor4View& value) : key_(key), value_(value) {
+    const int64_t batch = key.sizes[0], kv_len = key.sizes[1], kv_heads = key.sizes[2];
+    key_rows_ = RoundUp(kv_len + kAmxTileRows, kAmxTileRows);
+    value_ld_ = key_rows_ + 2 * kAmxTileRows;
+    key_floats_ = key_rows_ * key.sizes[3];
+    value_floats_ = value.sizes[3] * value_ld_;
+    const int64_t heads = batch * kv_heads;
+    keys_.reset(new uint16_t[std::max<int64_t>(heads * key_floats_, 1)]);
+    values_t_.reset(new uint16_t[std::max<int64_t>(heads * value_floats_, 1)]);
+    ParallelFor(0, heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t head = begin; head < end; ++head) Pack(head / kv_heads, head % kv_heads, head);
+    });
+  }
+  // Row-major keys from s0 on, H apart.
+  const uint16_t* Keys(int64_t b, int64_t kv_head, int64_t s0) const {
+    return keys_.get() + Head(b, kv_head) * key_floats_ + s0 * key_.sizes[3];
+  }
+  // Vᵀ from key s0 on, value_ld() apart.
+  const uint16_t* ValuesT(int64_t b, int64_t kv_head, int64_t s0) const {
+    return values_t_.get() + Head(b, kv_head) * value_floats_ + s0;
+  }
+  int64_t value_ld() const { return value_ld_; }
+
+ private:
+  int64_t Head(int64_t b, int64_t kv_head) const { return b * key_.sizes[2] + kv_head; }
+  void Pack(int64_t b, int64_t kv_head, int64_t head) const {
+    const int64_t kv_len = key_.sizes[1], h_dim = key_.sizes[3], v_dim = value_.sizes[3];
+    uint16_t* keys = keys_.get() + head * key_floats_;
+    for (int64_t s = 0; s < kv_len; ++s) {
+      const uint16_t* src = static_cast<const uint16_t*>(ElementAddress(key_, b, s, kv_head, 0));
+      uint16_t* dst = keys + s * h_dim;
+      if (key_.strides[3] == 1) {
+        std::memcpy(dst, src, h_dim * sizeof(uint16_t));
+      } else {
+        for (int64_t h = 0; h < h_dim; ++h) dst[h] = src[h * key_.strides[3]];
+      }
+    }
+    std::fill(keys + kv_len * h_dim, keys + key_floats_, uint16_t{0});
+    uint16_t* values = values_t_.get() + head * value_floats_;
+    const uint16_t* v0 = static_cast<const uint16_t*>(ElementAddress(value_, b, 0, kv_head, 0));
+    if (value_.strides[3] == 1) {
+      AmxTransposeBf16(v0, value_.strides[1], kv_len, v_dim, values, value_ld_);
+    } else {
+      for (int64_t s = 0; s < kv_len; ++s) {
+        for (int64_t e = 0; e < v_dim; ++e) values[e * value_ld_ + s] = v0[s * value_.strides[1] + e * value_.strides[3]];
+      }
+    }
+    for (int64_t e = 0; e < v_dim; ++e) std::fill(values + e * value_ld_ + kv_len, values + (e + 1) * value_ld_, uint16_t{0});
+  }
+
+  Tensor4View key_, value_;
+  int64_t key_rows_ = 0, value_ld_ = 0, key_floats_ = 0, value_floats_ = 0;
+  std::unique_ptr<uint16_t[]> keys_, values_t_;
+};
+
 // What a task's rows can see of kv tile [s0, s1).
 enum class TileVisibility { kNone, kPartial, kFull };
 
@@ -292,6 +374,7 @@ TileVisibility ClassifyTile(const AttentionMasks& m, const RowMasks& rm, int64_t
 struct Kernels {
   const GemmKernels* gemm;
   const SoftmaxKernels* softmax;
+  bool amx = false;  // the amx tier: bf16 products may run on the tile unit (amx_gemm.h)
 };
 
 Status GetKernels(Kernels* kernels) {
@@ -300,6 +383,7 @@ Status GetKernels(Kernels* kernels) {
   if (!status.ok()) return status;
   kernels->gemm = &GetGemmKernels(isa);
   kernels->softmax = &GetSoftmaxKernels(isa);
+  kernels->amx = isa == Isa::kAmx;
   return Status::Ok();
 }
 
@@ -349,7 +433,7 @@ struct SplitPartials {
 };
 
 struct ForwardScratch {
-  std::vector<float> q_panels, q_rows, k_panels, st, v_panels, acc, max, sum, sub, alpha, tile_max;
+  std::vector<float> q_panels, q_rows, k_panels, st, v_panels, acc, max, sum, sub, alpha, tile_max, out_rows;
   RowMasks row_masks;
 };
 
@@ -358,6 +442,13 @@ struct ForwardScratch {
 // Taken when a single query block of few rows covers the whole query sequence.
 bool UseRowDots(const DotProductAttentionParams& p, int64_t q_blocks, int64_t rows) {
   return q_blocks == 1 && rows <= kMaxRowDotRows && p.k.strides[3] == 1 && p.v.strides[3] == 1;
+}
+
+// The AMX forward takes bf16 q, k and v whose head dims fit whole tiles; anything else keeps
+// the fp32 micro-kernels.
+bool UseAmx(const DotProductAttentionParams& p, const Kernels& k) {
+  return k.amx && p.q.dtype == DType::kBFloat16 && p.k.dtype == DType::kBFloat16 && p.v.dtype == DType::kBFloat16 &&
+         p.q.sizes[3] % kAmxTileDepth == 0 && p.v.sizes[3] % kAmxTileRows == 0;
 }
 
 void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, int64_t n, const float* acc, float sum,
@@ -375,30 +466,55 @@ void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, in
   }
 }
 
+// The online softmax step of one tile for one head: the new running max of each column, the
+// factor alpha that rescales what was accumulated, then the tile exponentiated in place and
+// its column sums added to the running sums.
+void OnlineSoftmaxStep(const Kernels& k, float* st, int64_t keys, int64_t cols, float* max, float* sum,
+                       float* alpha, float* sub, float* tile_max) {
+  std::fill(tile_max, tile_max + cols, kNegInf);
+  k.softmax->column_max(st, keys, cols, cols, tile_max);
+  for (int64_t r = 0; r < cols; ++r) {
+    const float new_max = std::max(max[r], tile_max[r]);
+    alpha[r] = 1.0f;
+    if (new_max != kNegInf && max[r] != kNegInf && new_max != max[r]) alpha[r] = std::exp(max[r] - new_max);
+    sub[r] = new_max == kNegInf ? 0.0f : new_max;
+    max[r] = new_max;
+    sum[r] *= alpha[r];
+  }
+  k.softmax->exp_columns(st, keys, cols, cols, sub, sum);
+}
+
 // One task: query block `rows` against keys [kv_begin, kv_end) for kv heads [rows.kv_head,
 // head_end). GEMM tasks own one kv head. Row-path tasks own all of them and walk the tiles
 // head by head inside each tile: the rows of one key for all kv heads are adjacent in memory,
 // so each 4 KiB page of K and V is used whole while its TLB entry is hot.
+//
+// Three ways to make the two products: the row path (key_dots, accumulate_values), the fp32
+// micro-kernels (acc[row][e], P read in place as A), and with `amx` the tile unit on bf16
+// operands: st = K · Qᵀ with Q in VNNI panels (unscaled, so exact, the scale applied to st),
+// and the accumulator kept transposed, accᵀ[e][row] += Vᵀ · Pᵀ, so P needs no transpose,
+// only its rows paired and rounded to bf16 (as flash attention does on GPUs).
 void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernels& k,
                  const DotProductAttentionConfig& config, const TaskRows& rows, int64_t head_end, bool row_dots,
                  int64_t kv_begin, int64_t kv_end, int64_t split, SplitPartials* partials,
-                 const KvTiles& k_tiles, const KvTiles& v_tiles, ForwardScratch& s) {
+                 const KvTiles& k_tiles, const KvTiles& v_tiles, const AmxKv* amx, ForwardScratch& s) {
   const GemmKernels& gemm = *k.gemm;
   const int64_t mr = gemm.mr, nr = gemm.nr;
   const int64_t count = rows.count();
   const int64_t heads = head_end - rows.kv_head;
   const int64_t cols = RoundUp(count, nr);       // st columns (query rows), panels of Q
   const int64_t row_panels = CeilDiv(count, mr); // of P and the accumulator
-  const int64_t ld_acc = RoundUp(d.value_dim, nr);
-  const int64_t acc_floats = row_panels * mr * ld_acc;
-  const int64_t q_floats = cols * d.head_dim;
+  const int64_t ld_acc = amx != nullptr ? cols : RoundUp(d.value_dim, nr);
+  const int64_t acc_floats = amx != nullptr ? d.value_dim * cols : row_panels * mr * ld_acc;
   const int64_t block = config.block_kv;
+  // Per head: Q as fp32 panels or plain rows, or as bf16 VNNI panels (half as many floats).
+  const int64_t q_floats = amx != nullptr ? CeilDiv(cols * d.head_dim, 2) : cols * d.head_dim;
 
-  float* q_panels = Scratch(s.q_panels, heads * q_floats);  // per head: panels, or plain rows
+  float* q_panels = Scratch(s.q_panels, heads * q_floats);
   float* k_panels = Scratch(s.k_panels, k_tiles.tile_floats());
-  const int64_t st_rows = RoundUp(block, mr);
+  const int64_t st_rows = std::max(RoundUp(block, mr), RoundUp(block, kAmxTileDepth));
   float* st = InPlaceTileScratch(s.st, st_rows, cols);  // P·V reads it in place
-  float* v_panels = Scratch(s.v_panels, v_tiles.tile_floats());
+  float* v_panels = Scratch(s.v_panels, amx != nullptr ? CeilDiv(st_rows * cols, 2) : v_tiles.tile_floats());
   float* acc = Scratch(s.acc, heads * acc_floats);
   float* max = Scratch(s.max, heads * cols);
   float* sum = Scratch(s.sum, heads * cols);
@@ -408,16 +524,20 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   std::fill(acc, acc + heads * acc_floats, 0.0f);
   std::fill(max, max + heads * cols, kNegInf);
   std::fill(sum, sum + heads * cols, 0.0f);
+  std::unique_ptr<AmxTileScope> tiles;
+  if (amx != nullptr) tiles.reset(new AmxTileScope());
 
   // The masks' ranges and segments depend on positions only: one RowMasks serves every head.
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
   TaskRows head_rows = rows;
-  float* q_rows = row_dots ? nullptr : Scratch(s.q_rows, count * d.head_dim);
+  float* q_rows = row_dots || amx != nullptr ? nullptr : Scratch(s.q_rows, count * d.head_dim);
   for (int64_t h = 0; h < heads; ++h) {
     head_rows.kv_head = rows.kv_head + h;
     float* q = q_panels + h * q_floats;
     if (row_dots) {
       GatherRows(p.q, head_rows, d.head_dim, p.scale, q, d.head_dim);
+    } else if (amx != nullptr) {
+      PackRowsVnni(p.q, head_rows, cols, reinterpret_cast<uint16_t*>(q));
     } else {
       GatherRows(p.q, head_rows, d.head_dim, p.scale, q_rows, d.head_dim);
       k.softmax->transpose_panels(q_rows, d.head_dim, count, d.head_dim, nr, q);
@@ -436,47 +556,54 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
       const int64_t kv_head = head_rows.kv_head;
       const float* q = q_panels + h * q_floats;
       float* head_acc = acc + h * acc_floats;
-      float* head_max = max + h * cols;
-      float* head_sum = sum + h * cols;
       // st = K_tile · (scale·Q)ᵀ, then the logits' epilogue and masks.
       if (row_dots) {
         k.softmax->key_dots(p.k.dtype, ElementAddress(p.k, rows.b, s0, kv_head, 0), p.k.strides[1], keys,
                             d.head_dim, q, d.head_dim, count, st, cols);
+      } else if (amx != nullptr) {
+        AmxGemmBf16(RoundUp(keys, kAmxTileRows), cols, d.head_dim, amx->Keys(rows.b, kv_head, s0), d.head_dim,
+                    reinterpret_cast<const uint16_t*>(q), st, cols, false, p.scale);
       } else {
         TileGemm(gemm, d.head_dim, k_tiles.Tile(rows.b, kv_head, s0, keys, k_panels), CeilDiv(keys, mr),
                  PackedB(q, d.head_dim, nr), cols / nr, st, cols, false);
       }
       FinishLogits(p, k, head_rows, s.row_masks, s0, keys, visibility, st, cols, nullptr);
-      // Online softmax: new running max, rescale what was accumulated, exponentiate the tile.
-      std::fill(tile_max, tile_max + cols, kNegInf);
-      k.softmax->column_max(st, keys, cols, cols, tile_max);
-      for (int64_t r = 0; r < cols; ++r) {
-        const float new_max = std::max(head_max[r], tile_max[r]);
-        alpha[r] = 1.0f;
-        if (new_max != kNegInf && head_max[r] != kNegInf && new_max != head_max[r]) {
-          alpha[r] = std::exp(head_max[r] - new_max);
-        }
-        sub[r] = new_max == kNegInf ? 0.0f : new_max;
-        head_max[r] = new_max;
-        head_sum[r] *= alpha[r];
-      }
-      k.softmax->scale_rows(head_acc, ld_acc, count, d.value_dim, alpha);
-      k.softmax->exp_columns(st, keys, cols, cols, sub, head_sum);
+      OnlineSoftmaxStep(k, st, keys, cols, max + h * cols, sum + h * cols, alpha, sub, tile_max);
       if (row_dots) {
+        k.softmax->scale_rows(head_acc, ld_acc, count, d.value_dim, alpha);
         k.softmax->accumulate_values(p.v.dtype, st, cols, keys, count, ElementAddress(p.v, rows.b, s0, kv_head, 0),
                                      p.v.strides[1], d.value_dim, head_acc, ld_acc);
-        continue;
+      } else if (amx != nullptr) {
+        // accᵀ = accᵀ ∘ alpha + Vᵀ_tile · Pᵀ, with Pᵀ's key pairs in VNNI panels.
+        k.softmax->scale_columns(head_acc, ld_acc, d.value_dim, cols, alpha);
+        const int64_t depth = RoundUp(keys, kAmxTileDepth);
+        uint16_t* p_panels = reinterpret_cast<uint16_t*>(v_panels);
+        AmxPackVnniFromRows(st, cols, keys, depth, cols, p_panels);
+        AmxGemmBf16(d.value_dim, cols, depth, amx->ValuesT(rows.b, kv_head, s0), amx->value_ld(), p_panels,
+                    head_acc, ld_acc, true, 1.0f);
+      } else {
+        // acc = acc ∘ alpha + P · V_tile, with P = stᵀ read in place: at each key, a panel's mr
+        // rows are adjacent.
+        k.softmax->scale_rows(head_acc, ld_acc, count, d.value_dim, alpha);
+        TileGemm(gemm, keys, InPlaceA(st, cols, mr), row_panels, v_tiles.Tile(rows.b, kv_head, s0, keys, v_panels),
+                 ld_acc / nr, head_acc, ld_acc, true);
       }
-      // acc += P · V_tile, with P = stᵀ read in place: at each key, a panel's mr rows are adjacent.
-      TileGemm(gemm, keys, InPlaceA(st, cols, mr), row_panels, v_tiles.Tile(rows.b, kv_head, s0, keys, v_panels),
-               ld_acc / nr, head_acc, ld_acc, true);
     }
   }
+  // The amx accumulator is transposed: back to rows (one register transpose per head).
+  float* out_rows = amx != nullptr ? Scratch(s.out_rows, count * d.value_dim) : nullptr;
   for (int64_t h = 0; h < heads; ++h) {
     head_rows.kv_head = rows.kv_head + h;
+    const float* head_acc = acc + h * acc_floats;
+    int64_t ld_rows = ld_acc;
+    if (amx != nullptr) {
+      k.softmax->transpose_panels(head_acc, ld_acc, d.value_dim, count, d.value_dim, out_rows);
+      head_acc = out_rows;
+      ld_rows = d.value_dim;
+    }
     for (int64_t r = 0; r < count; ++r) {
       const int64_t t = head_rows.t(r), n = head_rows.n(r);
-      const float* row_acc = acc + h * acc_floats + r * ld_acc;
+      const float* row_acc = head_acc + r * ld_rows;
       const float row_max = max[h * cols + r], row_sum = sum[h * cols + r];
       if (partials == nullptr) {
         StoreOutputRow(p, rows.b, t, n, row_acc, row_sum, row_max);
@@ -667,11 +794,15 @@ Status DotProductAttention(const DotProductAttentionParams& p, const DotProductA
     partials.sum.assign(rows, 0.0f);
   }
   // Several query blocks read each kv tile: pack K and V once.
-  const KvTiles k_tiles(*k.gemm, p.k, config.block_kv, /*as_a=*/true, /*pack_all=*/q_blocks > 1);
-  const KvTiles v_tiles(*k.gemm, p.v, config.block_kv, /*as_a=*/false, /*pack_all=*/q_blocks > 1);
+  // (The amx path copies them once as bf16 instead.)
+  const bool row_dots = UseRowDots(p, q_blocks, std::min(config.block_q, d.q_len) * d.group);
+  const bool use_amx = !row_dots && UseAmx(p, k);
+  const KvTiles k_tiles(*k.gemm, p.k, config.block_kv, /*as_a=*/true, /*pack_all=*/q_blocks > 1 && !use_amx);
+  const KvTiles v_tiles(*k.gemm, p.v, config.block_kv, /*as_a=*/false, /*pack_all=*/q_blocks > 1 && !use_amx);
+  std::unique_ptr<AmxKv> amx_kv;
+  if (use_amx) amx_kv.reset(new AmxKv(p.k, p.v));
   // Tasks are pulled from a shared counter, latest query blocks first: under a causal mask they
   // are the longest, and starting them first balances the threads.
-  const bool row_dots = UseRowDots(p, q_blocks, std::min(config.block_q, d.q_len) * d.group);
   const int64_t task_heads = row_dots ? d.kv_heads : 1;  // kv heads per task
   const int64_t head_groups = d.kv_heads / task_heads;
   const int64_t num_tasks = d.batch * head_groups * q_blocks * splits;
@@ -691,7 +822,7 @@ Status DotProductAttention(const DotProductAttentionParams& p, const DotProductA
       const int64_t kv_begin = (kv_blocks * split / splits) * config.block_kv;
       const int64_t kv_end = std::min(d.kv_len, (kv_blocks * (split + 1) / splits) * config.block_kv);
       ForwardTask(p, d, k, config, rows, kv_head + task_heads, row_dots, kv_begin, kv_end, split,
-                  splits > 1 ? &partials : nullptr, k_tiles, v_tiles, scratch);
+                  splits > 1 ? &partials : nullptr, k_tiles, v_tiles, amx_kv.get(), scratch);
     }
   });
   if (splits > 1) {

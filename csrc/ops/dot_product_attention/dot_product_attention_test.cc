@@ -233,6 +233,22 @@ TEST_P(DotProductAttentionTest, DenseAcrossDtypesAndTiles) {
   }
 }
 
+// Head dims that fit whole AMX tiles (H % 32, Hv % 16), where the amx tier multiplies bf16 on
+// the tile unit: tails of every kind, kv tiles starting off a 16-key boundary, splits, GQA.
+TEST_P(DotProductAttentionTest, Bf16TileShapes) {
+  ScopedIsa isa(GetParam());
+  Problem pb;
+  pb.batch = 2; pb.q_len = 50; pb.kv_len = 77; pb.q_heads = 6; pb.kv_heads = 2; pb.head_dim = 64; pb.value_dim = 48;
+  Check(pb, DType::kBFloat16, Config(8, 24, 1));
+  Check(pb, DType::kBFloat16, Config(32, 64, 2));
+  pb.causal = true;
+  Check(pb, DType::kBFloat16, Config(96, 256, 1));
+  Check(pb, DType::kBFloat16, Config(16, 40, 3));
+  pb.q_len = 77; pb.kv_len = 31; pb.head_dim = 32; pb.value_dim = 16; pb.head_major = true; pb.soft_cap = 1.5f;
+  pb.bias = true;
+  Check(pb, DType::kBFloat16, Config(24, 16, 1));
+}
+
 TEST_P(DotProductAttentionTest, EveryMaskAloneAndCombined) {
   ScopedIsa isa(GetParam());
   Problem base;
@@ -328,7 +344,7 @@ TEST_P(DotProductAttentionTest, BitwiseReproducibleAcrossThreadCounts) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiers, DotProductAttentionTest,
-                         ::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512),
+                         ::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx),
                          [](const ::testing::TestParamInfo<Isa>& info) { return std::string(IsaName(info.param)); });
 
 TEST(DotProductAttentionConfigTest, ValidateAndRoundTrip) {

@@ -1,0 +1,50 @@
+// bf16 GEMM pieces on the AMX tile unit (TMUL): the fast path for bf16 products on CPUs of the
+// amx tier (IsaSupported(Isa::kAmx)); callers keep the fp32 micro-kernels for every other case.
+//
+// A product C[m x n] (+)= A[m x depth] · B[depth x n] runs in 16 x 16 fp32 tiles of C, 32 bf16
+// deep per tile instruction, four C tiles (32 x 32) per block. A is row-major bf16 read in
+// place (any row stride); B is packed in VNNI panels: 16 columns wide, and for each pair of
+// depth steps the two values of a column adjacent, so B(p, j) is at
+//   b[(j / 16) * depth * 16 + (p / 2) * 32 + (j % 16) * 2 + p % 2].
+// Accumulation is fp32 in a fixed order that depends on depth only, so results are bitwise
+// reproducible.
+#pragma once
+
+#include <cstdint>
+
+namespace tokamax {
+
+constexpr int64_t kAmxTileRows = 16;  // m and n are multiples of this
+constexpr int64_t kAmxTileDepth = 32; // depth is a multiple of this
+
+// Loads the tile configuration into the calling thread's tile registers for the scope's
+// lifetime and releases them at its end. Every AMX call below must run inside one.
+class AmxTileScope {
+ public:
+  AmxTileScope();
+  ~AmxTileScope();
+  AmxTileScope(const AmxTileScope&) = delete;
+  AmxTileScope& operator=(const AmxTileScope&) = delete;
+};
+
+// c[i * ldc + j] = scale * sum_p A(i, p) B(p, j), or += the unscaled sum when accumulating,
+// for i < m, j < n, p < depth, with A(i, p) = a[i * lda + p]. lda and ldc are in elements.
+void AmxGemmBf16(int64_t m, int64_t n, int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b,
+                 float* c, int64_t ldc, bool accumulate, float scale);
+
+// Packs B(p, j) = x[p * ld + j] (fp32 rounded to bf16) for p < rows, and 0 for rows <= p <
+// depth, into VNNI panels of `depth` (a multiple of 32) for j < n (a multiple of 16).
+void AmxPackVnniFromRows(const float* x, int64_t ld, int64_t rows, int64_t depth, int64_t n, uint16_t* dst);
+
+// Packs B(p, j) = x[j * ld + p] (fp32 rounded to bf16) for j < cols and p < valid_depth, zero
+// elsewhere, into VNNI panels of `depth` (a multiple of 32) for j < n (a multiple of 16):
+// B = Xᵀ for a row-major X of cols rows.
+void AmxPackVnniFromColumns(const float* x, int64_t ld, int64_t cols, int64_t valid_depth, int64_t depth, int64_t n,
+                            uint16_t* dst);
+
+// dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols: a bf16 (any 16-bit)
+// transpose, as the A operand Xᵀ of a product over X's rows.
+void AmxTransposeBf16(const uint16_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint16_t* dst,
+                      int64_t ld_dst);
+
+}  // namespace tokamax

@@ -1,0 +1,178 @@
+// The amx tier's bf16 tile products (see amx_gemm.h). This file alone is built with the AMX and
+// AVX512-BF16 flags; nothing here runs unless the tier is supported and the OS granted the
+// tile data state (IsaSupported(Isa::kAmx)).
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "csrc/core/amx_gemm.h"
+#include "csrc/core/dtype.h"
+
+namespace tokamax {
+namespace {
+
+// The 64-byte operand of ldtilecfg (palette 1): every one of the 8 tiles is 16 rows of 64
+// bytes. Tiles 0-3 hold C (16 x 16 fp32), 4-5 A (16 x 32 bf16), 6-7 B (16 pairs x 16 columns).
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// C tiles [i0, i0 + 16 * MT) x [j0, j0 + 16 * NT) over the whole depth.
+template <int MT, int NT>
+void Block(int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t panel, float* c, int64_t ldc,
+           bool accumulate) {
+  const int64_t lda_bytes = lda * 2, ldc_bytes = ldc * 4;
+  float* c1 = c + 16;
+  float* c2 = c + 16 * ldc;
+  float* c3 = c2 + 16;
+  if (accumulate) {
+    _tile_loadd(0, c, ldc_bytes);
+    if constexpr (NT == 2) _tile_loadd(1, c1, ldc_bytes);
+    if constexpr (MT == 2) _tile_loadd(2, c2, ldc_bytes);
+    if constexpr (MT == 2 && NT == 2) _tile_loadd(3, c3, ldc_bytes);
+  } else {
+    _tile_zero(0);
+    if constexpr (NT == 2) _tile_zero(1);
+    if constexpr (MT == 2) _tile_zero(2);
+    if constexpr (MT == 2 && NT == 2) _tile_zero(3);
+  }
+  const uint16_t* a1 = a + 16 * lda;
+  const uint16_t* b1 = b + panel;
+  for (int64_t p = 0; p < depth; p += kAmxTileDepth) {
+    _tile_loadd(4, a + p, lda_bytes);
+    _tile_loadd(6, b + p * 16, 64);
+    if constexpr (MT == 2) _tile_loadd(5, a1 + p, lda_bytes);
+    if constexpr (NT == 2) _tile_loadd(7, b1 + p * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MT == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MT == 2 && NT == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, ldc_bytes);
+  if constexpr (NT == 2) _tile_stored(1, c1, ldc_bytes);
+  if constexpr (MT == 2) _tile_stored(2, c2, ldc_bytes);
+  if constexpr (MT == 2 && NT == 2) _tile_stored(3, c3, ldc_bytes);
+}
+
+void ScaleBlock(float* c, int64_t ldc, int64_t rows, int64_t cols, float scale) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; j += 16) {
+      _mm512_storeu_ps(c + i * ldc + j, _mm512_mul_ps(s, _mm512_loadu_ps(c + i * ldc + j)));
+    }
+  }
+}
+
+#include "csrc/core/transpose8x8_avx.inc"
+
+}  // namespace
+
+AmxTileScope::AmxTileScope() {
+  TileConfig config;
+  std::memset(&config, 0, sizeof(config));
+  config.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  // Not _tile_loadconfig: GCC 12's intrinsic declares an 8-byte memory operand, so the stores
+  // of the other 56 bytes were dropped as dead (measured: every tile left unconfigured).
+  __asm__ volatile("ldtilecfg %0" : : "m"(config));
+}
+
+AmxTileScope::~AmxTileScope() { _tile_release(); }
+
+void AmxGemmBf16(int64_t m, int64_t n, int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b,
+                 float* c, int64_t ldc, bool accumulate, float scale) {
+  const int64_t panel = depth * 16;  // elements of one 16-column VNNI panel
+  for (int64_t i0 = 0; i0 < m; i0 += 32) {
+    const bool two_rows = i0 + 32 <= m;
+    for (int64_t j0 = 0; j0 < n; j0 += 32) {
+      const bool two_cols = j0 + 32 <= n;
+      const uint16_t* ai = a + i0 * lda;
+      const uint16_t* bj = b + (j0 / 16) * panel;
+      float* cij = c + i0 * ldc + j0;
+      if (two_rows && two_cols) {
+        Block<2, 2>(depth, ai, lda, bj, panel, cij, ldc, accumulate);
+      } else if (two_rows) {
+        Block<2, 1>(depth, ai, lda, bj, panel, cij, ldc, accumulate);
+      } else if (two_cols) {
+        Block<1, 2>(depth, ai, lda, bj, panel, cij, ldc, accumulate);
+      } else {
+        Block<1, 1>(depth, ai, lda, bj, panel, cij, ldc, accumulate);
+      }
+      if (!accumulate && scale != 1.0f) ScaleBlock(cij, ldc, two_rows ? 32 : 16, two_cols ? 32 : 16, scale);
+    }
+  }
+}
+
+void AmxPackVnniFromRows(const float* x, int64_t ld, int64_t rows, int64_t depth, int64_t n, uint16_t* dst) {
+  // vpermw index that interleaves the two converted rows: out[2i] = lo[i], out[2i + 1] = hi[i].
+  alignas(64) int16_t order[32];
+  for (int i = 0; i < 16; ++i) {
+    order[2 * i] = static_cast<int16_t>(i);
+    order[2 * i + 1] = static_cast<int16_t>(16 + i);
+  }
+  const __m512i interleave = _mm512_load_si512(order);
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t q = 0; q * 16 < n; ++q) {
+    uint16_t* panel = dst + q * depth * 16;
+    for (int64_t p = 0; p < depth; p += 2) {
+      const __m512 lo = p < rows ? _mm512_loadu_ps(x + p * ld + q * 16) : zero;
+      const __m512 hi = p + 1 < rows ? _mm512_loadu_ps(x + (p + 1) * ld + q * 16) : zero;
+      // cvtne2ps: round to nearest even, upper half from the first operand.
+      const __m512i pair = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+      _mm512_storeu_si512(panel + p * 16, _mm512_permutexvar_epi16(interleave, pair));
+    }
+  }
+}
+
+void AmxPackVnniFromColumns(const float* x, int64_t ld, int64_t cols, int64_t valid_depth, int64_t depth, int64_t n,
+                            uint16_t* dst) {
+  for (int64_t q = 0; q * 16 < n; ++q) {
+    uint16_t* panel = dst + q * depth * 16;
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t col = q * 16 + j;
+      const float* src = x + col * ld;
+      for (int64_t p = 0; p < depth; ++p) {
+        const float value = col < cols && p < valid_depth ? src[p] : 0.0f;
+        panel[(p / 2) * 32 + j * 2 + p % 2] = FloatToBFloat16(value);
+      }
+    }
+  }
+}
+
+void AmxTransposeBf16(const uint16_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint16_t* dst,
+                      int64_t ld_dst) {
+  // Blocks of 16 rows x 8 columns: each two rows interleave into 32-bit pairs (dst's layout of
+  // two adjacent rows), and the 8 x 8 matrix of pairs is transposed as 32-bit lanes.
+  alignas(32) uint32_t pairs[8][8];
+  const bool pairs_fit = ld_dst % 2 == 0 && reinterpret_cast<uintptr_t>(dst) % 4 == 0;
+  int64_t r0 = 0;
+  for (; pairs_fit && r0 + 16 <= rows; r0 += 16) {
+    int64_t c0 = 0;
+    for (; c0 + 8 <= cols; c0 += 8) {
+      for (int i = 0; i < 8; ++i) {
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (r0 + 2 * i) * ld_src + c0));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (r0 + 2 * i + 1) * ld_src + c0));
+        _mm_store_si128(reinterpret_cast<__m128i*>(&pairs[i][0]), _mm_unpacklo_epi16(a, b));
+        _mm_store_si128(reinterpret_cast<__m128i*>(&pairs[i][4]), _mm_unpackhi_epi16(a, b));
+      }
+      // Shuffles only: the bits pass through the float lanes unchanged.
+      Transpose8x8(reinterpret_cast<const float*>(&pairs[0][0]), 8, reinterpret_cast<float*>(dst + c0 * ld_dst + r0),
+                   ld_dst / 2);
+    }
+    for (int64_t c = c0; c < cols; ++c) {
+      for (int64_t r = r0; r < r0 + 16; ++r) dst[c * ld_dst + r] = src[r * ld_src + c];
+    }
+  }
+  for (int64_t r = r0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+  }
+}
+
+}  // namespace tokamax

@@ -1,0 +1,105 @@
+#include "csrc/core/amx_gemm.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "csrc/core/dtype.h"
+#include "csrc/core/isa.h"
+
+namespace tokamax {
+namespace {
+
+bool AmxHere() { return IsaSupported(Isa::kAmx, GetCpuInfo()); }
+
+// bf16 values with few mantissa bits, so every product and every fp32 sum of them is exact and
+// the kernel must match the float64 oracle bit for bit.
+std::vector<uint16_t> SmallBf16(int64_t count, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> dist(-8, 8);
+  std::vector<uint16_t> x(count);
+  for (auto& v : x) v = FloatToBFloat16(dist(rng) * 0.125f);
+  return x;
+}
+
+// B(p, j) of a VNNI-packed operand (the layout amx_gemm.h documents).
+float VnniAt(const std::vector<uint16_t>& b, int64_t depth, int64_t p, int64_t j) {
+  return BFloat16ToFloat(b[(j / 16) * depth * 16 + (p / 2) * 32 + (j % 16) * 2 + p % 2]);
+}
+
+TEST(AmxGemmTest, MatchesFloat64OracleExactly) {
+  if (!AmxHere()) GTEST_SKIP() << "amx not supported here";
+  AmxTileScope tiles;
+  struct Case { int64_t m, n, depth, lda; bool accumulate; float scale; };
+  for (const Case& c : {Case{16, 16, 32, 32, false, 1.0f}, Case{48, 80, 96, 100, false, 0.5f},
+                        Case{32, 48, 64, 64, true, 1.0f}, Case{80, 32, 160, 168, true, 1.0f},
+                        Case{16, 64, 32, 40, false, 0.25f}}) {
+    const std::vector<uint16_t> a = SmallBf16(c.m * c.lda, 1);
+    // Pack B from a row-major fp32 matrix, then multiply.
+    std::vector<float> b_rows(c.depth * c.n);
+    const std::vector<uint16_t> b_bits = SmallBf16(c.depth * c.n, 2);
+    for (int64_t i = 0; i < c.depth * c.n; ++i) b_rows[i] = BFloat16ToFloat(b_bits[i]);
+    std::vector<uint16_t> b(c.depth * c.n);
+    AmxPackVnniFromRows(b_rows.data(), c.n, c.depth, c.depth, c.n, b.data());
+    const int64_t ldc = c.n + 16;
+    std::vector<float> got(c.m * ldc, 7.0f);
+    AmxGemmBf16(c.m, c.n, c.depth, a.data(), c.lda, b.data(), got.data(), ldc, c.accumulate, c.scale);
+    for (int64_t i = 0; i < c.m; ++i) {
+      for (int64_t j = 0; j < ldc; ++j) {
+        double want = 7.0;
+        if (j < c.n) {
+          double dot = 0.0;
+          for (int64_t p = 0; p < c.depth; ++p) dot += double(BFloat16ToFloat(a[i * c.lda + p])) * b_rows[p * c.n + j];
+          want = c.accumulate ? 7.0 + dot : c.scale * dot;
+        }
+        ASSERT_EQ(got[i * ldc + j], static_cast<float>(want)) << "m=" << c.m << " n=" << c.n << " i=" << i << " j=" << j;
+      }
+    }
+  }
+}
+
+TEST(AmxGemmTest, PackersRoundAndZeroPad) {
+  if (!AmxHere()) GTEST_SKIP() << "amx not supported here";
+  // 5 rows of 32 columns (ld 40) packed 32 deep: rows past 5 are zero, values rounded to
+  // nearest even exactly like FloatToBFloat16.
+  std::mt19937 rng(3);
+  std::normal_distribution<float> dist;
+  std::vector<float> x(5 * 40);
+  for (auto& v : x) v = dist(rng);
+  std::vector<uint16_t> from_rows(32 * 32, 0xffff);
+  AmxPackVnniFromRows(x.data(), 40, 5, 32, 32, from_rows.data());
+  for (int64_t p = 0; p < 32; ++p) {
+    for (int64_t j = 0; j < 32; ++j) {
+      const float want = p < 5 ? BFloat16ToFloat(FloatToBFloat16(x[p * 40 + j])) : 0.0f;
+      ASSERT_EQ(VnniAt(from_rows, 32, p, j), want) << p << " " << j;
+    }
+  }
+  // The same matrix as Xᵀ: 5 columns of B, 24 valid depth steps, padded to 16 columns x 32.
+  std::vector<uint16_t> from_cols(32 * 16, 0xffff);
+  AmxPackVnniFromColumns(x.data(), 40, 5, 24, 32, 16, from_cols.data());
+  for (int64_t p = 0; p < 32; ++p) {
+    for (int64_t j = 0; j < 16; ++j) {
+      const float want = j < 5 && p < 24 ? BFloat16ToFloat(FloatToBFloat16(x[j * 40 + p])) : 0.0f;
+      ASSERT_EQ(VnniAt(from_cols, 32, p, j), want) << p << " " << j;
+    }
+  }
+}
+
+TEST(AmxGemmTest, TierIsReportedConsistently) {
+  const CpuInfo& info = GetCpuInfo();
+  // The amx tier implies the avx512 tier and the CPU's AMX bits; lacking them it is refused.
+  if (IsaSupported(Isa::kAmx, info)) {
+    EXPECT_TRUE(IsaSupported(Isa::kAvx512, info));
+    EXPECT_TRUE(info.amx_tile && info.amx_bf16 && info.avx512bf16);
+    EXPECT_EQ(BestIsa(info), Isa::kAmx);
+  } else {
+    EXPECT_NE(BestIsa(info), Isa::kAmx);
+  }
+  EXPECT_STREQ(IsaName(Isa::kAmx), "amx");
+}
+
+}  // namespace
+}  // namespace tokamax
