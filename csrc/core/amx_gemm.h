@@ -42,6 +42,11 @@ void AmxPackVnniFromRows(const float* x, int64_t ld, int64_t rows, int64_t depth
 void AmxPackVnniFromColumns(const float* x, int64_t ld, int64_t cols, int64_t valid_depth, int64_t depth, int64_t n,
                             uint16_t* dst);
 
+// dst[r * ld_dst + c] = x[r * ld + c] rounded to bf16 for r < rows, c < cols (a multiple of
+// 16), and zero rows for rows <= r < pad_rows: an fp32 tile as a row-major A operand.
+void AmxConvertRowsBf16(const float* x, int64_t ld, int64_t rows, int64_t pad_rows, int64_t cols, uint16_t* dst,
+                        int64_t ld_dst);
+
 // dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols: a bf16 (any 16-bit)
 // transpose, as the A operand Xᵀ of a product over X's rows.
 void AmxTransposeBf16(const uint16_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint16_t* dst,

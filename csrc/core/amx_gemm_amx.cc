@@ -146,6 +146,21 @@ void AmxPackVnniFromColumns(const float* x, int64_t ld, int64_t cols, int64_t va
   }
 }
 
+void AmxConvertRowsBf16(const float* x, int64_t ld, int64_t rows, int64_t pad_rows, int64_t cols, uint16_t* dst,
+                        int64_t ld_dst) {
+  for (int64_t r = 0; r < pad_rows; ++r) {
+    uint16_t* out = dst + r * ld_dst;
+    if (r >= rows) {
+      std::memset(out, 0, cols * sizeof(uint16_t));
+      continue;
+    }
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * ld + c)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), bits);
+    }
+  }
+}
+
 void AmxTransposeBf16(const uint16_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint16_t* dst,
                       int64_t ld_dst) {
   // Blocks of 16 rows x 8 columns: each two rows interleave into 32-bit pairs (dst's layout of

@@ -243,67 +243,71 @@ Panels PackedA(const float* x, int64_t depth, int64_t mr) { return {x, mr, mr * 
 // Packed B panels of `depth` (pack_b's layout).
 Panels PackedB(const float* x, int64_t depth, int64_t nr) { return {x, nr, depth * nr}; }
 
-// bf16 K and V of every (batch, kv head) as AMX operands, copied once per call (O(S) memory):
-// K as row-major [S + 16 rounded up to 16][H] (the A operand of K·Qᵀ, read in whole 16-key
-// tiles from any tile start, a multiple of 8) and V transposed, [Hv][ld] with ld = that row
-// count plus 32 (the A operand of Vᵀ·Pᵀ, read 32 keys deep from any tile start). Padding is
-// zero, so every tile read stays in the copy.
-class AmxKv {
+// A bf16 K or V of every (batch, kv head) as an AMX A operand, copied once per call (O(S)
+// memory), in one of two layouts:
+//  - kRows: row-major [S + 16 rounded up to 16][C] (K in K·Qᵀ, V in V·dOᵀ: 16 keys per tile,
+//    read in whole tiles from any tile start, a multiple of 8);
+//  - kTransposed: [C][ld], ld that row count plus 32 (Vᵀ in Vᵀ·Pᵀ, Kᵀ in Kᵀ·dS: read 32 keys
+//    deep from any tile start).
+// Padding is zero, so every tile read stays in the copy and adds nothing.
+class AmxOperand {
  public:
-  AmxKv(const Tensor4View& key, const Tensor4View& value) : key_(key), value_(value) {
-    const int64_t batch = key.sizes[0], kv_len = key.sizes[1], kv_heads = key.sizes[2];
-    key_rows_ = RoundUp(kv_len + kAmxTileRows, kAmxTileRows);
-    value_ld_ = key_rows_ + 2 * kAmxTileRows;
-    key_floats_ = key_rows_ * key.sizes[3];
-    value_floats_ = value.sizes[3] * value_ld_;
+  enum Layout { kRows, kTransposed };
+  AmxOperand(const Tensor4View& x, Layout layout) : x_(x), layout_(layout) {
+    const int64_t batch = x.sizes[0], kv_len = x.sizes[1], kv_heads = x.sizes[2], width = x.sizes[3];
+    rows_ = RoundUp(kv_len + kAmxTileRows, kAmxTileRows);
+    ld_ = layout == kRows ? width : rows_ + 2 * kAmxTileRows;
+    head_elements_ = layout == kRows ? rows_ * width : width * ld_;
     const int64_t heads = batch * kv_heads;
-    keys_.reset(new uint16_t[std::max<int64_t>(heads * key_floats_, 1)]);
-    values_t_.reset(new uint16_t[std::max<int64_t>(heads * value_floats_, 1)]);
+    data_.reset(new uint16_t[std::max<int64_t>(heads * head_elements_, 1)]);
     ParallelFor(0, heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t head = begin; head < end; ++head) Pack(head / kv_heads, head % kv_heads, head);
     });
   }
-  // Row-major keys from s0 on, H apart.
-  const uint16_t* Keys(int64_t b, int64_t kv_head, int64_t s0) const {
-    return keys_.get() + Head(b, kv_head) * key_floats_ + s0 * key_.sizes[3];
+  // kRows: the rows from key s0 on; kTransposed: the columns from key s0 on. ld() apart.
+  const uint16_t* At(int64_t b, int64_t kv_head, int64_t s0) const {
+    const uint16_t* head = data_.get() + (b * x_.sizes[2] + kv_head) * head_elements_;
+    return head + (layout_ == kRows ? s0 * ld_ : s0);
   }
-  // Vᵀ from key s0 on, value_ld() apart.
-  const uint16_t* ValuesT(int64_t b, int64_t kv_head, int64_t s0) const {
-    return values_t_.get() + Head(b, kv_head) * value_floats_ + s0;
-  }
-  int64_t value_ld() const { return value_ld_; }
+  int64_t ld() const { return ld_; }
 
  private:
-  int64_t Head(int64_t b, int64_t kv_head) const { return b * key_.sizes[2] + kv_head; }
   void Pack(int64_t b, int64_t kv_head, int64_t head) const {
-    const int64_t kv_len = key_.sizes[1], h_dim = key_.sizes[3], v_dim = value_.sizes[3];
-    uint16_t* keys = keys_.get() + head * key_floats_;
-    for (int64_t s = 0; s < kv_len; ++s) {
-      const uint16_t* src = static_cast<const uint16_t*>(ElementAddress(key_, b, s, kv_head, 0));
-      uint16_t* dst = keys + s * h_dim;
-      if (key_.strides[3] == 1) {
-        std::memcpy(dst, src, h_dim * sizeof(uint16_t));
-      } else {
-        for (int64_t h = 0; h < h_dim; ++h) dst[h] = src[h * key_.strides[3]];
+    const int64_t kv_len = x_.sizes[1], width = x_.sizes[3], step = x_.strides[3];
+    uint16_t* dst = data_.get() + head * head_elements_;
+    const uint16_t* src = static_cast<const uint16_t*>(ElementAddress(x_, b, 0, kv_head, 0));
+    if (layout_ == kRows) {
+      for (int64_t s = 0; s < kv_len; ++s) {
+        const uint16_t* row = src + s * x_.strides[1];
+        if (step == 1) {
+          std::memcpy(dst + s * ld_, row, width * sizeof(uint16_t));
+        } else {
+          for (int64_t c = 0; c < width; ++c) dst[s * ld_ + c] = row[c * step];
+        }
       }
+      std::fill(dst + kv_len * ld_, dst + head_elements_, uint16_t{0});
+      return;
     }
-    std::fill(keys + kv_len * h_dim, keys + key_floats_, uint16_t{0});
-    uint16_t* values = values_t_.get() + head * value_floats_;
-    const uint16_t* v0 = static_cast<const uint16_t*>(ElementAddress(value_, b, 0, kv_head, 0));
-    if (value_.strides[3] == 1) {
-      AmxTransposeBf16(v0, value_.strides[1], kv_len, v_dim, values, value_ld_);
+    if (step == 1) {
+      AmxTransposeBf16(src, x_.strides[1], kv_len, width, dst, ld_);
     } else {
       for (int64_t s = 0; s < kv_len; ++s) {
-        for (int64_t e = 0; e < v_dim; ++e) values[e * value_ld_ + s] = v0[s * value_.strides[1] + e * value_.strides[3]];
+        for (int64_t c = 0; c < width; ++c) dst[c * ld_ + s] = src[s * x_.strides[1] + c * step];
       }
     }
-    for (int64_t e = 0; e < v_dim; ++e) std::fill(values + e * value_ld_ + kv_len, values + (e + 1) * value_ld_, uint16_t{0});
+    for (int64_t c = 0; c < width; ++c) std::fill(dst + c * ld_ + kv_len, dst + (c + 1) * ld_, uint16_t{0});
   }
 
-  Tensor4View key_, value_;
-  int64_t key_rows_ = 0, value_ld_ = 0, key_floats_ = 0, value_floats_ = 0;
-  std::unique_ptr<uint16_t[]> keys_, values_t_;
+  Tensor4View x_;
+  Layout layout_;
+  int64_t rows_ = 0, ld_ = 0, head_elements_ = 0;
+  std::unique_ptr<uint16_t[]> data_;
 };
+
+// Grow-only bf16 scratch in a float buffer.
+uint16_t* Bf16Scratch(std::vector<float>& buffer, int64_t elements) {
+  return reinterpret_cast<uint16_t*>(Scratch(buffer, CeilDiv(elements, 2)));
+}
 
 // What a task's rows can see of kv tile [s0, s1).
 enum class TileVisibility { kNone, kPartial, kFull };
@@ -451,6 +455,11 @@ bool UseAmx(const DotProductAttentionParams& p, const Kernels& k) {
          p.q.sizes[3] % kAmxTileDepth == 0 && p.v.sizes[3] % kAmxTileRows == 0;
 }
 
+// The AMX backward also multiplies over Hv (V·dOᵀ), so Hv must fill whole tile depths too.
+bool UseAmxBackward(const DotProductAttentionGradParams& g, const Kernels& k) {
+  return UseAmx(g.forward, k) && g.dout.dtype == DType::kBFloat16 && g.forward.v.sizes[3] % kAmxTileDepth == 0;
+}
+
 void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, int64_t n, const float* acc, float sum,
                     float max) {
   const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
@@ -497,24 +506,26 @@ void OnlineSoftmaxStep(const Kernels& k, float* st, int64_t keys, int64_t cols, 
 void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernels& k,
                  const DotProductAttentionConfig& config, const TaskRows& rows, int64_t head_end, bool row_dots,
                  int64_t kv_begin, int64_t kv_end, int64_t split, SplitPartials* partials,
-                 const KvTiles& k_tiles, const KvTiles& v_tiles, const AmxKv* amx, ForwardScratch& s) {
+                 const KvTiles& k_tiles, const KvTiles& v_tiles, const AmxOperand* amx_k, const AmxOperand* amx_vt,
+                 ForwardScratch& s) {
+  const bool amx = amx_k != nullptr;
   const GemmKernels& gemm = *k.gemm;
   const int64_t mr = gemm.mr, nr = gemm.nr;
   const int64_t count = rows.count();
   const int64_t heads = head_end - rows.kv_head;
   const int64_t cols = RoundUp(count, nr);       // st columns (query rows), panels of Q
   const int64_t row_panels = CeilDiv(count, mr); // of P and the accumulator
-  const int64_t ld_acc = amx != nullptr ? cols : RoundUp(d.value_dim, nr);
-  const int64_t acc_floats = amx != nullptr ? d.value_dim * cols : row_panels * mr * ld_acc;
+  const int64_t ld_acc = amx ? cols : RoundUp(d.value_dim, nr);
+  const int64_t acc_floats = amx ? d.value_dim * cols : row_panels * mr * ld_acc;
   const int64_t block = config.block_kv;
   // Per head: Q as fp32 panels or plain rows, or as bf16 VNNI panels (half as many floats).
-  const int64_t q_floats = amx != nullptr ? CeilDiv(cols * d.head_dim, 2) : cols * d.head_dim;
+  const int64_t q_floats = amx ? CeilDiv(cols * d.head_dim, 2) : cols * d.head_dim;
 
   float* q_panels = Scratch(s.q_panels, heads * q_floats);
   float* k_panels = Scratch(s.k_panels, k_tiles.tile_floats());
   const int64_t st_rows = std::max(RoundUp(block, mr), RoundUp(block, kAmxTileDepth));
   float* st = InPlaceTileScratch(s.st, st_rows, cols);  // P·V reads it in place
-  float* v_panels = Scratch(s.v_panels, amx != nullptr ? CeilDiv(st_rows * cols, 2) : v_tiles.tile_floats());
+  float* v_panels = Scratch(s.v_panels, amx ? CeilDiv(st_rows * cols, 2) : v_tiles.tile_floats());
   float* acc = Scratch(s.acc, heads * acc_floats);
   float* max = Scratch(s.max, heads * cols);
   float* sum = Scratch(s.sum, heads * cols);
@@ -525,18 +536,18 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   std::fill(max, max + heads * cols, kNegInf);
   std::fill(sum, sum + heads * cols, 0.0f);
   std::unique_ptr<AmxTileScope> tiles;
-  if (amx != nullptr) tiles.reset(new AmxTileScope());
+  if (amx) tiles.reset(new AmxTileScope());
 
   // The masks' ranges and segments depend on positions only: one RowMasks serves every head.
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
   TaskRows head_rows = rows;
-  float* q_rows = row_dots || amx != nullptr ? nullptr : Scratch(s.q_rows, count * d.head_dim);
+  float* q_rows = row_dots || amx ? nullptr : Scratch(s.q_rows, count * d.head_dim);
   for (int64_t h = 0; h < heads; ++h) {
     head_rows.kv_head = rows.kv_head + h;
     float* q = q_panels + h * q_floats;
     if (row_dots) {
       GatherRows(p.q, head_rows, d.head_dim, p.scale, q, d.head_dim);
-    } else if (amx != nullptr) {
+    } else if (amx) {
       PackRowsVnni(p.q, head_rows, cols, reinterpret_cast<uint16_t*>(q));
     } else {
       GatherRows(p.q, head_rows, d.head_dim, p.scale, q_rows, d.head_dim);
@@ -560,8 +571,8 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
       if (row_dots) {
         k.softmax->key_dots(p.k.dtype, ElementAddress(p.k, rows.b, s0, kv_head, 0), p.k.strides[1], keys,
                             d.head_dim, q, d.head_dim, count, st, cols);
-      } else if (amx != nullptr) {
-        AmxGemmBf16(RoundUp(keys, kAmxTileRows), cols, d.head_dim, amx->Keys(rows.b, kv_head, s0), d.head_dim,
+      } else if (amx) {
+        AmxGemmBf16(RoundUp(keys, kAmxTileRows), cols, d.head_dim, amx_k->At(rows.b, kv_head, s0), amx_k->ld(),
                     reinterpret_cast<const uint16_t*>(q), st, cols, false, p.scale);
       } else {
         TileGemm(gemm, d.head_dim, k_tiles.Tile(rows.b, kv_head, s0, keys, k_panels), CeilDiv(keys, mr),
@@ -573,13 +584,13 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
         k.softmax->scale_rows(head_acc, ld_acc, count, d.value_dim, alpha);
         k.softmax->accumulate_values(p.v.dtype, st, cols, keys, count, ElementAddress(p.v, rows.b, s0, kv_head, 0),
                                      p.v.strides[1], d.value_dim, head_acc, ld_acc);
-      } else if (amx != nullptr) {
+      } else if (amx) {
         // accᵀ = accᵀ ∘ alpha + Vᵀ_tile · Pᵀ, with Pᵀ's key pairs in VNNI panels.
         k.softmax->scale_columns(head_acc, ld_acc, d.value_dim, cols, alpha);
         const int64_t depth = RoundUp(keys, kAmxTileDepth);
-        uint16_t* p_panels = reinterpret_cast<uint16_t*>(v_panels);
+        uint16_t* p_panels = reinterpret_cast<uint16_t*>(v_panels);  // the fp32 V panels are unused
         AmxPackVnniFromRows(st, cols, keys, depth, cols, p_panels);
-        AmxGemmBf16(d.value_dim, cols, depth, amx->ValuesT(rows.b, kv_head, s0), amx->value_ld(), p_panels,
+        AmxGemmBf16(d.value_dim, cols, depth, amx_vt->At(rows.b, kv_head, s0), amx_vt->ld(), p_panels,
                     head_acc, ld_acc, true, 1.0f);
       } else {
         // acc = acc ∘ alpha + P · V_tile, with P = stᵀ read in place: at each key, a panel's mr
@@ -591,12 +602,12 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
     }
   }
   // The amx accumulator is transposed: back to rows (one register transpose per head).
-  float* out_rows = amx != nullptr ? Scratch(s.out_rows, count * d.value_dim) : nullptr;
+  float* out_rows = amx ? Scratch(s.out_rows, count * d.value_dim) : nullptr;
   for (int64_t h = 0; h < heads; ++h) {
     head_rows.kv_head = rows.kv_head + h;
     const float* head_acc = acc + h * acc_floats;
     int64_t ld_rows = ld_acc;
-    if (amx != nullptr) {
+    if (amx) {
       k.softmax->transpose_panels(head_acc, ld_acc, d.value_dim, count, d.value_dim, out_rows);
       head_acc = out_rows;
       ld_rows = d.value_dim;
@@ -648,25 +659,37 @@ void ZeroOutputs(const DotProductAttentionParams& p, const Dims& d) {
 
 struct BackwardScratch {
   std::vector<float> q_panels, q_rows, do_panels, do_rows, k_panels, k_rows, v_panels, st, dpt, tanh, a_panels,
-      dq_acc, lse_sub, delta;
+      dq_acc, lse_sub, delta, q_vnni, do_vnni, q_row_vnni, do_row_vnni, tile_rows, tile_vnni;
   RowMasks row_masks;
 };
 
+// The AMX operands of the backward: K as rows (K·Qᵀ) and transposed (Kᵀ·dS), V as rows (V·dOᵀ).
+struct AmxBackwardOperands {
+  AmxOperand k_rows, k_t, v_rows;
+};
+
 // One chunk of query blocks of one (batch, kv head): dq of its rows is written directly, dk/dv
-// partial sums go to dk_acc/dv_acc ([S + mr rows] x ld, this chunk's own).
+// partial sums go to dk_acc/dv_acc ([S + 16 rows] x ld, this chunk's own).
+//
+// With `amx` the five products run on the tile unit: st = K·Qᵀ and dPᵀ = V·dOᵀ as in the
+// forward (Q and dO in VNNI panels), dV += P·dO and dK += dS·Q with P and dS rounded to bf16
+// rows and dO and Q (unscaled: dK is scaled when stored) as VNNI panels over the block's rows,
+// and dQᵀ += Kᵀ·dS with dS's key pairs in VNNI panels, dQ kept transposed.
 void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const Kernels& k,
                   const DotProductAttentionConfig& config, int64_t b, int64_t kv_head, int64_t qb_begin,
                   int64_t qb_end, float* dk_acc, int64_t ld_dk, float* dv_acc, int64_t ld_dv,
-                  const KvTiles& k_tiles, const KvTiles& v_tiles, const KvTiles& k_row_tiles, BackwardScratch& s) {
+                  const KvTiles& k_tiles, const KvTiles& v_tiles, const KvTiles& k_row_tiles,
+                  const AmxBackwardOperands* amx_ops, BackwardScratch& s) {
   const DotProductAttentionParams& p = g.forward;
+  const bool amx = amx_ops != nullptr;
   const Tensor4View out = AsConst(p.out);
   const GemmKernels& gemm = *k.gemm;
   const int64_t mr = gemm.mr, nr = gemm.nr;
   const int64_t block = config.block_kv;
   const int64_t max_rows = config.block_q * d.group;
-  const int64_t max_cols = RoundUp(max_rows, nr);
+  const int64_t max_cols = RoundUp(max_rows, std::max(nr, kAmxTileDepth));
   const int64_t ld_dq = RoundUp(d.head_dim, nr);
-  const int64_t kv_rows = RoundUp(block, mr);
+  const int64_t kv_rows = std::max(RoundUp(block, mr), RoundUp(block, kAmxTileDepth));
 
   float* q_panels = Scratch(s.q_panels, max_cols * d.head_dim);
   float* q_rows = Scratch(s.q_rows, max_rows * ld_dq);
@@ -678,10 +701,25 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
   float* st = Scratch(s.st, kv_rows * max_cols);
   float* dpt = InPlaceTileScratch(s.dpt, kv_rows, max_cols);  // dQ reads it in place
   float* tanh_values = p.logits_soft_cap > 0.0f ? Scratch(s.tanh, kv_rows * max_cols) : nullptr;
-  float* a_panels = Scratch(s.a_panels, std::max(kv_rows * max_cols, max_rows * ld_dv));
-  float* dq_acc = Scratch(s.dq_acc, RoundUp(max_rows, mr) * ld_dq);
+  // Packed P or dS, the O rows before the first tile, and for amx dQ as rows after the last.
+  float* a_panels = Scratch(s.a_panels, std::max({kv_rows * max_cols, max_rows * ld_dv, max_rows * ld_dq}));
+  float* dq_acc = Scratch(s.dq_acc, std::max(RoundUp(max_rows, mr) * ld_dq, d.head_dim * max_cols));
   float* lse_sub = Scratch(s.lse_sub, max_cols);
   float* delta = Scratch(s.delta, max_cols);
+  // amx: the block's rows as VNNI panels over H or Hv (B of K·Qᵀ, V·dOᵀ) and over the rows
+  // (B of dS·Q, P·dO), and one bf16 tile (P, then dS) as rows and as VNNI key pairs.
+  uint16_t *q_vnni = nullptr, *do_vnni = nullptr, *q_row_vnni = nullptr, *do_row_vnni = nullptr;
+  uint16_t *tile_rows = nullptr, *tile_vnni = nullptr;
+  std::unique_ptr<AmxTileScope> tiles;
+  if (amx) {
+    q_vnni = Bf16Scratch(s.q_vnni, max_cols * d.head_dim);
+    do_vnni = Bf16Scratch(s.do_vnni, max_cols * d.value_dim);
+    q_row_vnni = Bf16Scratch(s.q_row_vnni, max_cols * d.head_dim);
+    do_row_vnni = Bf16Scratch(s.do_row_vnni, max_cols * d.value_dim);
+    tile_rows = Bf16Scratch(s.tile_rows, kv_rows * max_cols);
+    tile_vnni = Bf16Scratch(s.tile_vnni, kv_rows * max_cols);
+    tiles.reset(new AmxTileScope());
+  }
 
   for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
     TaskRows rows;
@@ -691,18 +729,26 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
     rows.t0 = qb * config.block_q;
     rows.positions = std::min(config.block_q, d.q_len - rows.t0);
     const int64_t count = rows.count();
-    const int64_t cols = RoundUp(count, nr);
+    const int64_t cols = RoundUp(count, amx ? std::max(nr, kAmxTileDepth) : nr);
     const int64_t row_panels = CeilDiv(count, mr);
     ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
-    std::fill(dq_acc, dq_acc + row_panels * mr * ld_dq, 0.0f);
+    const int64_t dq_floats = amx ? d.head_dim * cols : row_panels * mr * ld_dq;
+    std::fill(dq_acc, dq_acc + dq_floats, 0.0f);
     // A block no row of which sees a key (past its length) has dq = 0 and needs no operands.
     const bool any_visible = s.row_masks.max_end > 0;
     if (any_visible) {
-      // The block's operands: Q (scaled) and dO as rows, read in place as B, and transposed.
-      GatherRows(p.q, rows, d.head_dim, p.scale, q_rows, ld_dq);
-      k.softmax->transpose_panels(q_rows, ld_dq, count, d.head_dim, nr, q_panels);
+      // The block's operands: Q (scaled, or for amx exact) and dO as rows, and transposed.
+      GatherRows(p.q, rows, d.head_dim, amx ? 1.0f : p.scale, q_rows, ld_dq);
       GatherRows(g.dout, rows, d.value_dim, 1.0f, do_rows, ld_dv);
-      k.softmax->transpose_panels(do_rows, ld_dv, count, d.value_dim, nr, do_panels);
+      if (amx) {
+        PackRowsVnni(p.q, rows, cols, q_vnni);
+        PackRowsVnni(g.dout, rows, cols, do_vnni);
+        AmxPackVnniFromRows(q_rows, ld_dq, count, cols, d.head_dim, q_row_vnni);
+        AmxPackVnniFromRows(do_rows, ld_dv, count, cols, d.value_dim, do_row_vnni);
+      } else {
+        k.softmax->transpose_panels(q_rows, ld_dq, count, d.head_dim, nr, q_panels);
+        k.softmax->transpose_panels(do_rows, ld_dv, count, d.value_dim, nr, do_panels);
+      }
       // Per row: lse (0 for rows that see nothing: their logits are all -inf, so P = 0) and
       // delta = rowsum(dO ∘ O) - dlse.
       std::fill(lse_sub, lse_sub + cols, 0.0f);
@@ -728,18 +774,33 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
       const int64_t keys = ClippedKeys(s.row_masks, s0, tile_keys);
       if (visibility == TileVisibility::kPartial) SetTileRanges(s.row_masks, count, s0, keys);
       const int64_t key_panels = CeilDiv(keys, mr);
+      const int64_t key_tiles = RoundUp(keys, kAmxTileRows);  // amx: rows of the key-major products
       // P = exp(logits - lse), recomputed.
-      TileGemm(gemm, d.head_dim, k_tiles.Tile(b, kv_head, s0, keys, k_panels), key_panels,
-               PackedB(q_panels, d.head_dim, nr), cols / nr, st, cols, false);
+      if (amx) {
+        AmxGemmBf16(key_tiles, cols, d.head_dim, amx_ops->k_rows.At(b, kv_head, s0), amx_ops->k_rows.ld(), q_vnni,
+                    st, cols, false, p.scale);
+      } else {
+        TileGemm(gemm, d.head_dim, k_tiles.Tile(b, kv_head, s0, keys, k_panels), key_panels,
+                 PackedB(q_panels, d.head_dim, nr), cols / nr, st, cols, false);
+      }
       FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, cols, tanh_values);
       k.softmax->exp_columns(st, keys, cols, cols, lse_sub, nullptr);
-      // dV_tile += P · dO.
-      gemm.pack_a({st, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
-      TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, Panels{do_rows, ld_dv, nr}, ld_dv / nr,
-               dv_acc + s0 * ld_dv, ld_dv, true);
-      // dPᵀ = V_tile · dOᵀ; dS = P ∘ (dP - delta), times the soft cap's derivative.
-      TileGemm(gemm, d.value_dim, v_tiles.Tile(b, kv_head, s0, keys, v_panels), key_panels,
-               PackedB(do_panels, d.value_dim, nr), cols / nr, dpt, cols, false);
+      // dV_tile += P · dO; dPᵀ = V_tile · dOᵀ.
+      if (amx) {
+        // P's rows past `keys` are zero: they must add nothing to the next tile's dV rows.
+        AmxConvertRowsBf16(st, cols, keys, key_tiles, cols, tile_rows, cols);
+        AmxGemmBf16(key_tiles, d.value_dim, cols, tile_rows, cols, do_row_vnni, dv_acc + s0 * ld_dv, ld_dv, true,
+                    1.0f);
+        AmxGemmBf16(key_tiles, cols, d.value_dim, amx_ops->v_rows.At(b, kv_head, s0), amx_ops->v_rows.ld(), do_vnni,
+                    dpt, cols, false, 1.0f);
+      } else {
+        gemm.pack_a({st, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
+        TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, Panels{do_rows, ld_dv, nr}, ld_dv / nr,
+                 dv_acc + s0 * ld_dv, ld_dv, true);
+        TileGemm(gemm, d.value_dim, v_tiles.Tile(b, kv_head, s0, keys, v_panels), key_panels,
+                 PackedB(do_panels, d.value_dim, nr), cols / nr, dpt, cols, false);
+      }
+      // dS = P ∘ (dP - delta), times the soft cap's derivative.
       k.softmax->softmax_grad_columns(st, dpt, keys, cols, cols, delta);
       if (tanh_values != nullptr) {
         for (int64_t j = 0; j < keys; ++j) {
@@ -753,13 +814,29 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
         }
       }
       // dK_tile += dS · (scale·Q); dQ += dS · K_tile (scaled when stored).
-      gemm.pack_a({dpt, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
-      TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, Panels{q_rows, ld_dq, nr}, ld_dk / nr,
-               dk_acc + s0 * ld_dk, ld_dk, true);
-      TileGemm(gemm, keys, InPlaceA(dpt, cols, mr), row_panels, k_row_tiles.Tile(b, kv_head, s0, keys, k_rows),
-               ld_dq / nr, dq_acc, ld_dq, true);
+      if (amx) {
+        AmxConvertRowsBf16(dpt, cols, keys, key_tiles, cols, tile_rows, cols);
+        AmxGemmBf16(key_tiles, d.head_dim, cols, tile_rows, cols, q_row_vnni, dk_acc + s0 * ld_dk, ld_dk, true, 1.0f);
+        const int64_t depth = RoundUp(keys, kAmxTileDepth);
+        AmxPackVnniFromRows(dpt, cols, keys, depth, cols, tile_vnni);
+        AmxGemmBf16(d.head_dim, cols, depth, amx_ops->k_t.At(b, kv_head, s0), amx_ops->k_t.ld(), tile_vnni, dq_acc,
+                    cols, true, 1.0f);
+      } else {
+        gemm.pack_a({dpt, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
+        TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, Panels{q_rows, ld_dq, nr}, ld_dk / nr,
+                 dk_acc + s0 * ld_dk, ld_dk, true);
+        TileGemm(gemm, keys, InPlaceA(dpt, cols, mr), row_panels, k_row_tiles.Tile(b, kv_head, s0, keys, k_rows),
+                 ld_dq / nr, dq_acc, ld_dq, true);
+      }
     }
-    for (int64_t r = 0; r < count; ++r) StoreRow(g.dq, b, rows.t(r), rows.n(r), dq_acc + r * ld_dq, d.head_dim, p.scale);
+    const float* dq_rows = dq_acc;
+    int64_t ld_rows = ld_dq;
+    if (amx) {  // dQᵀ back to rows
+      k.softmax->transpose_panels(dq_acc, cols, d.head_dim, count, d.head_dim, a_panels);
+      dq_rows = a_panels;
+      ld_rows = d.head_dim;
+    }
+    for (int64_t r = 0; r < count; ++r) StoreRow(g.dq, b, rows.t(r), rows.n(r), dq_rows + r * ld_rows, d.head_dim, p.scale);
   }
 }
 
@@ -799,8 +876,11 @@ Status DotProductAttention(const DotProductAttentionParams& p, const DotProductA
   const bool use_amx = !row_dots && UseAmx(p, k);
   const KvTiles k_tiles(*k.gemm, p.k, config.block_kv, /*as_a=*/true, /*pack_all=*/q_blocks > 1 && !use_amx);
   const KvTiles v_tiles(*k.gemm, p.v, config.block_kv, /*as_a=*/false, /*pack_all=*/q_blocks > 1 && !use_amx);
-  std::unique_ptr<AmxKv> amx_kv;
-  if (use_amx) amx_kv.reset(new AmxKv(p.k, p.v));
+  std::unique_ptr<AmxOperand> amx_k, amx_vt;
+  if (use_amx) {
+    amx_k.reset(new AmxOperand(p.k, AmxOperand::kRows));
+    amx_vt.reset(new AmxOperand(p.v, AmxOperand::kTransposed));
+  }
   // Tasks are pulled from a shared counter, latest query blocks first: under a causal mask they
   // are the longest, and starting them first balances the threads.
   const int64_t task_heads = row_dots ? d.kv_heads : 1;  // kv heads per task
@@ -822,7 +902,7 @@ Status DotProductAttention(const DotProductAttentionParams& p, const DotProductA
       const int64_t kv_begin = (kv_blocks * split / splits) * config.block_kv;
       const int64_t kv_end = std::min(d.kv_len, (kv_blocks * (split + 1) / splits) * config.block_kv);
       ForwardTask(p, d, k, config, rows, kv_head + task_heads, row_dots, kv_begin, kv_end, split,
-                  splits > 1 ? &partials : nullptr, k_tiles, v_tiles, amx_kv.get(), scratch);
+                  splits > 1 ? &partials : nullptr, k_tiles, v_tiles, amx_k.get(), amx_vt.get(), scratch);
     }
   });
   if (splits > 1) {
@@ -857,9 +937,9 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
   const int64_t q_blocks = d.q_len > 0 ? CeilDiv(d.q_len, config.block_q) : 0;
   const int64_t splits = std::max<int64_t>(1, std::min(config.num_splits, q_blocks));
   const int64_t ld_dk = RoundUp(d.head_dim, nr), ld_dv = RoundUp(d.value_dim, nr);
-  // Per (split, batch, kv head): fp32 dk/dv partial sums over [S + mr) rows (tiles write whole
-  // mr-row panels; the padding rows only ever receive zeros).
-  const int64_t acc_rows = d.kv_len + mr;
+  // Per (split, batch, kv head): fp32 dk/dv partial sums over [S + 16) rows (tiles write whole
+  // mr-row panels or 16-row AMX tiles; the padding rows only ever receive zeros).
+  const int64_t acc_rows = d.kv_len + std::max(mr, kAmxTileRows);
   const int64_t heads = d.batch * d.kv_heads;
   std::vector<float> dk_acc(splits * heads * acc_rows * ld_dk, 0.0f);
   std::vector<float> dv_acc(splits * heads * acc_rows * ld_dv, 0.0f);
@@ -868,7 +948,13 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
     std::fill(dbias, dbias + d.batch * d.q_heads * d.q_len * d.kv_len, 0.0f);
   }
   // Several query blocks read each kv tile: pack K, V and K's rows once.
-  const bool pack_all = q_blocks > 1 && d.kv_len > 0;
+  const bool use_amx = UseAmxBackward(g, k) && d.kv_len > 0;
+  const bool pack_all = q_blocks > 1 && d.kv_len > 0 && !use_amx;
+  std::unique_ptr<AmxBackwardOperands> amx_ops;
+  if (use_amx) {
+    amx_ops.reset(new AmxBackwardOperands{AmxOperand(p.k, AmxOperand::kRows), AmxOperand(p.k, AmxOperand::kTransposed),
+                                          AmxOperand(p.v, AmxOperand::kRows)});
+  }
   const KvTiles k_tiles(*k.gemm, p.k, config.block_kv, /*as_a=*/true, pack_all);
   const KvTiles v_tiles(*k.gemm, p.v, config.block_kv, /*as_a=*/true, pack_all);
   const KvTiles k_row_tiles(*k.gemm, p.k, config.block_kv, /*as_a=*/false, pack_all);
@@ -882,7 +968,7 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
       float* dk = dk_acc.data() + (split * heads + head) * acc_rows * ld_dk;
       float* dv = dv_acc.data() + (split * heads + head) * acc_rows * ld_dv;
       BackwardTask(g, d, k, config, head / d.kv_heads, head % d.kv_heads, qb_begin, qb_end, dk, ld_dk, dv, ld_dv,
-                   k_tiles, v_tiles, k_row_tiles, scratch);
+                   k_tiles, v_tiles, k_row_tiles, amx_ops.get(), scratch);
     }
   });
   // dk, dv = the splits' partial sums, added in split order.
@@ -899,7 +985,7 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
         }
       };
       sum_splits(dk_acc, ld_dk, d.head_dim);
-      StoreRow(g.dk, b, s, kv_head, total.data(), d.head_dim, 1.0f);
+      StoreRow(g.dk, b, s, kv_head, total.data(), d.head_dim, use_amx ? p.scale : 1.0f);  // amx: dS·Q unscaled
       sum_splits(dv_acc, ld_dv, d.value_dim);
       StoreRow(g.dv, b, s, kv_head, total.data(), d.value_dim, 1.0f);
     }
