@@ -8,6 +8,7 @@ namespace tokamax {
 
 double FmaPeakAvx2(int64_t iterations);
 double FmaPeakAvx512(int64_t iterations);
+double AmxBf16Peak(int64_t iterations);
 
 double MeasureFmaPeakGflops(Isa isa, int64_t iterations) {
   if (isa == Isa::kAvx512 || isa == Isa::kAmx) return FmaPeakAvx512(iterations);  // fp32 FMA peak
@@ -23,6 +24,10 @@ double MeasureFmaPeakGflops(Isa isa, int64_t iterations) {
   volatile float sink = 0.0f;
   for (int i = 0; i < 12; ++i) sink = sink + acc[i];
   return static_cast<double>(iterations) * 12 * 2 / seconds * 1e-9;
+}
+
+double MeasureAmxBf16PeakGflops(int64_t iterations) {
+  return IsaSupported(Isa::kAmx, GetCpuInfo()) ? AmxBf16Peak(iterations) : 0.0;
 }
 
 double MeasureFmaPeakAvx512Gflops(int64_t iterations) {
