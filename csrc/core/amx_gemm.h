@@ -42,6 +42,10 @@ void AmxPackVnniFromRows(const float* x, int64_t ld, int64_t rows, int64_t depth
 void AmxPackVnniFromColumns(const float* x, int64_t ld, int64_t cols, int64_t valid_depth, int64_t depth, int64_t n,
                             uint16_t* dst);
 
+// Depth steps p and p + 1 (p even) of VNNI panels of `depth` for j < n: B(p, j) = a[j] and
+// B(p + 1, j) = b[j], bf16; a null row is zeros. Lets a caller fill panels in its own order.
+void AmxPackVnniPair(const uint16_t* a, const uint16_t* b, int64_t p, int64_t depth, int64_t n, uint16_t* dst);
+
 // dst[r * ld_dst + c] = x[r * ld + c] rounded to bf16 for r < rows, c < cols (a multiple of
 // 16), and zero rows for rows <= r < pad_rows: an fp32 tile as a row-major A operand.
 void AmxConvertRowsBf16(const float* x, int64_t ld, int64_t rows, int64_t pad_rows, int64_t cols, uint16_t* dst,

@@ -58,6 +58,56 @@ void Block(int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b, int
   if constexpr (MT == 2 && NT == 2) _tile_stored(3, c3, ldc_bytes);
 }
 
+// A 64 x 16 (kRowTiles = 4) or 16 x 64 (kRowTiles = 1) strip of C: four accumulators along
+// the long side, each with its own dependency chain, one tile register reloaded for the long
+// operand. For the skinny products of few-row (decode) tiles, where a 2 x 2 block would
+// leave two chains of the strip's depth and wait on the tile unit's latency.
+template <int kRowTiles>
+void Strip(int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t panel, float* c, int64_t ldc,
+           bool accumulate) {
+  constexpr bool kTall = kRowTiles == 4;
+  const int64_t lda_bytes = lda * 2, ldc_bytes = ldc * 4;
+  auto c_at = [&](int t) { return kTall ? c + t * 16 * ldc : c + t * 16; };
+  if (accumulate) {
+    _tile_loadd(0, c_at(0), ldc_bytes);
+    _tile_loadd(1, c_at(1), ldc_bytes);
+    _tile_loadd(2, c_at(2), ldc_bytes);
+    _tile_loadd(3, c_at(3), ldc_bytes);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t p = 0; p < depth; p += kAmxTileDepth) {
+    if constexpr (kTall) {
+      _tile_loadd(6, b + p * 16, 64);
+      _tile_loadd(4, a + p, lda_bytes);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, a + 16 * lda + p, lda_bytes);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_loadd(4, a + 32 * lda + p, lda_bytes);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_loadd(5, a + 48 * lda + p, lda_bytes);
+      _tile_dpbf16ps(3, 5, 6);
+    } else {
+      _tile_loadd(4, a + p, lda_bytes);
+      _tile_loadd(6, b + p * 16, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, b + panel + p * 16, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(6, b + 2 * panel + p * 16, 64);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_loadd(7, b + 3 * panel + p * 16, 64);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+  }
+  _tile_stored(0, c_at(0), ldc_bytes);
+  _tile_stored(1, c_at(1), ldc_bytes);
+  _tile_stored(2, c_at(2), ldc_bytes);
+  _tile_stored(3, c_at(3), ldc_bytes);
+}
+
 void ScaleBlock(float* c, int64_t ldc, int64_t rows, int64_t cols, float scale) {
   const __m512 s = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < rows; ++i) {
@@ -89,9 +139,22 @@ AmxTileScope::~AmxTileScope() { _tile_release(); }
 void AmxGemmBf16(int64_t m, int64_t n, int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b,
                  float* c, int64_t ldc, bool accumulate, float scale) {
   const int64_t panel = depth * 16;  // elements of one 16-column VNNI panel
-  for (int64_t i0 = 0; i0 < m; i0 += 32) {
+  // One tile row or column: 4-long strips first.
+  int64_t strip_rows = 0, strip_cols = 0;
+  if (n == 16) {
+    for (; strip_rows + 64 <= m; strip_rows += 64) {
+      Strip<4>(depth, a + strip_rows * lda, lda, b, panel, c + strip_rows * ldc, ldc, accumulate);
+      if (!accumulate && scale != 1.0f) ScaleBlock(c + strip_rows * ldc, ldc, 64, 16, scale);
+    }
+  } else if (m == 16) {
+    for (; strip_cols + 64 <= n; strip_cols += 64) {
+      Strip<1>(depth, a, lda, b + (strip_cols / 16) * panel, panel, c + strip_cols, ldc, accumulate);
+      if (!accumulate && scale != 1.0f) ScaleBlock(c + strip_cols, ldc, 16, 64, scale);
+    }
+  }
+  for (int64_t i0 = strip_rows; i0 < m; i0 += 32) {
     const bool two_rows = i0 + 32 <= m;
-    for (int64_t j0 = 0; j0 < n; j0 += 32) {
+    for (int64_t j0 = strip_cols; j0 < n; j0 += 32) {
       const bool two_cols = j0 + 32 <= n;
       const uint16_t* ai = a + i0 * lda;
       const uint16_t* bj = b + (j0 / 16) * panel;
@@ -143,6 +206,19 @@ void AmxPackVnniFromColumns(const float* x, int64_t ld, int64_t cols, int64_t va
         panel[(p / 2) * 32 + j * 2 + p % 2] = FloatToBFloat16(value);
       }
     }
+  }
+}
+
+void AmxPackVnniPair(const uint16_t* a, const uint16_t* b, int64_t p, int64_t depth, int64_t n, uint16_t* dst) {
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t q = 0; q * 16 < n; ++q) {
+    const __m256i x = a != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + q * 16)) : zero;
+    const __m256i y = b != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + q * 16)) : zero;
+    // unpack works within 128-bit lanes: columns 0-3 and 8-11 low, 4-7 and 12-15 high.
+    const __m256i lo = _mm256_unpacklo_epi16(x, y), hi = _mm256_unpackhi_epi16(x, y);
+    uint16_t* out = dst + q * depth * 16 + p * 16;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute2x128_si256(lo, hi, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), _mm256_permute2x128_si256(lo, hi, 0x31));
   }
 }
 

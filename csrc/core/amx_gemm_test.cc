@@ -36,7 +36,10 @@ TEST(AmxGemmTest, MatchesFloat64OracleExactly) {
   struct Case { int64_t m, n, depth, lda; bool accumulate; float scale; };
   for (const Case& c : {Case{16, 16, 32, 32, false, 1.0f}, Case{48, 80, 96, 100, false, 0.5f},
                         Case{32, 48, 64, 64, true, 1.0f}, Case{80, 32, 160, 168, true, 1.0f},
-                        Case{16, 64, 32, 40, false, 0.25f}}) {
+                        Case{16, 64, 32, 40, false, 0.25f},
+                        // Skinny shapes take the 4-long strips, then the blocks for the rest.
+                        Case{16, 144, 64, 64, true, 1.0f}, Case{16, 80, 96, 96, false, 0.5f},
+                        Case{144, 16, 64, 72, false, 0.5f}, Case{128, 16, 32, 32, true, 1.0f}}) {
     const std::vector<uint16_t> a = SmallBf16(c.m * c.lda, 1);
     // Pack B from a row-major fp32 matrix, then multiply.
     std::vector<float> b_rows(c.depth * c.n);
@@ -84,6 +87,32 @@ TEST(AmxGemmTest, PackersRoundAndZeroPad) {
     for (int64_t j = 0; j < 16; ++j) {
       const float want = j < 5 && p < 24 ? BFloat16ToFloat(FloatToBFloat16(x[j * 40 + p])) : 0.0f;
       ASSERT_EQ(VnniAt(from_cols, 32, p, j), want) << p << " " << j;
+    }
+  }
+}
+
+TEST(AmxGemmTest, Bf16RowPackAndTransposeAreExact) {
+  if (!AmxHere()) GTEST_SKIP() << "amx not supported here";
+  // 37 rows of 48 columns (ld 50): VNNI panels 64 deep, and the transpose of every shape tail.
+  const std::vector<uint16_t> x = SmallBf16(37 * 50, 4);
+  std::vector<uint16_t> packed(64 * 48, 0xffff);
+  for (int64_t p = 0; p < 64; p += 2) {
+    AmxPackVnniPair(p < 37 ? &x[p * 50] : nullptr, p + 1 < 37 ? &x[(p + 1) * 50] : nullptr, p, 64, 48, packed.data());
+  }
+  for (int64_t p = 0; p < 64; ++p) {
+    for (int64_t j = 0; j < 48; ++j) {
+      ASSERT_EQ(VnniAt(packed, 64, p, j), p < 37 ? BFloat16ToFloat(x[p * 50 + j]) : 0.0f) << p << " " << j;
+    }
+  }
+  for (int64_t rows : {37, 32, 16, 5}) {
+    for (int64_t cols : {48, 13, 8}) {
+      std::vector<uint16_t> t(cols * 40, 0x7777);
+      AmxTransposeBf16(x.data(), 50, rows, cols, t.data(), 40);
+      for (int64_t c = 0; c < cols; ++c) {
+        for (int64_t r = 0; r < 40; ++r) {
+          ASSERT_EQ(t[c * 40 + r], r < rows ? x[r * 50 + c] : 0x7777) << rows << "x" << cols << " " << r << " " << c;
+        }
+      }
     }
   }
 }

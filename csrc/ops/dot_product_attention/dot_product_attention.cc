@@ -437,7 +437,7 @@ struct SplitPartials {
 };
 
 struct ForwardScratch {
-  std::vector<float> q_panels, q_rows, k_panels, st, v_panels, acc, max, sum, sub, alpha, tile_max, out_rows;
+  std::vector<float> q_panels, q_rows, k_panels, st, v_panels, acc, max, sum, sub, alpha, tile_max, out_rows, key_copy, p_rows, v_vnni;
   RowMasks row_masks;
 };
 
@@ -475,6 +475,36 @@ void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, in
   }
 }
 
+// The row-tile path's operands of kv tile [s0, s0 + keys) for kv heads [kv_head, kv_head +
+// heads): per head, K's rows copied contiguous ([keys rounded up to 16][H], zero-padded) and
+// V's key pairs in VNNI panels ([depth = keys rounded up to 32]). Walked key by key across the
+// heads, so K and V are read in memory order (a key's heads are adjacent): read head by head in
+// place, rows a cache-set stride apart (2 KiB for 8 heads of 128) thrashed L1, and the tile
+// unit ran slower than the fp32 row path.
+void PackRowTiles(const DotProductAttentionParams& p, int64_t b, int64_t kv_head, int64_t heads, int64_t s0,
+                  int64_t keys, uint16_t* key_rows, int64_t key_stride, uint16_t* value_vnni, int64_t value_stride) {
+  const int64_t h_dim = p.k.sizes[3], v_dim = p.v.sizes[3];
+  const int64_t padded = RoundUp(keys, kAmxTileRows), depth = RoundUp(keys, kAmxTileDepth);
+  for (int64_t j = 0; j < padded; ++j) {
+    for (int64_t h = 0; h < heads; ++h) {
+      uint16_t* dst = key_rows + h * key_stride + j * h_dim;
+      if (j < keys) {
+        std::memcpy(dst, ElementAddress(p.k, b, s0 + j, kv_head + h, 0), h_dim * sizeof(uint16_t));
+      } else {
+        std::fill(dst, dst + h_dim, uint16_t{0});
+      }
+    }
+  }
+  auto value_row = [&](int64_t j, int64_t h) {
+    return j < keys ? static_cast<const uint16_t*>(ElementAddress(p.v, b, s0 + j, kv_head + h, 0)) : nullptr;
+  };
+  for (int64_t j = 0; j < depth; j += 2) {
+    for (int64_t h = 0; h < heads; ++h) {
+      AmxPackVnniPair(value_row(j, h), value_row(j + 1, h), j, depth, v_dim, value_vnni + h * value_stride);
+    }
+  }
+}
+
 // The online softmax step of one tile for one head: the new running max of each column, the
 // factor alpha that rescales what was accumulated, then the tile exponentiated in place and
 // its column sums added to the running sums.
@@ -498,28 +528,34 @@ void OnlineSoftmaxStep(const Kernels& k, float* st, int64_t keys, int64_t cols, 
 // head by head inside each tile: the rows of one key for all kv heads are adjacent in memory,
 // so each 4 KiB page of K and V is used whole while its TLB entry is hot.
 //
-// Three ways to make the two products: the row path (key_dots, accumulate_values), the fp32
-// micro-kernels (acc[row][e], P read in place as A), and with `amx` the tile unit on bf16
-// operands: st = K · Qᵀ with Q in VNNI panels (unscaled, so exact, the scale applied to st),
-// and the accumulator kept transposed, accᵀ[e][row] += Vᵀ · Pᵀ, so P needs no transpose,
-// only its rows paired and rounded to bf16 (as flash attention does on GPUs).
+// Four ways to make the two products:
+//  - the row path (key_dots, accumulate_values), K and V rows streamed in place;
+//  - `row_tiles` (the row path's shapes, bf16, amx tier): the tile unit on K and V in place,
+//    st = K·Qᵀ over the few rows padded to 16, acc[row][e] += P·V with P converted to bf16
+//    rows and V's key pairs interleaved into an L1 scratch per tile;
+//  - the fp32 micro-kernels (acc[row][e], P read in place as A);
+//  - `amx` (bf16 tiles from per-call K/Vᵀ copies): st = K·Qᵀ with Q in VNNI panels (unscaled,
+//    so exact, the scale applied to st), and the accumulator kept transposed, accᵀ[e][row] +=
+//    Vᵀ·Pᵀ, so P needs no transpose, only its key pairs rounded to bf16 (as flash attention
+//    does on GPUs).
 void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernels& k,
                  const DotProductAttentionConfig& config, const TaskRows& rows, int64_t head_end, bool row_dots,
                  int64_t kv_begin, int64_t kv_end, int64_t split, SplitPartials* partials,
                  const KvTiles& k_tiles, const KvTiles& v_tiles, const AmxOperand* amx_k, const AmxOperand* amx_vt,
                  ForwardScratch& s) {
   const bool amx = amx_k != nullptr;
+  const bool row_tiles = row_dots && UseAmx(p, k);  // few rows, bf16: tiles over K and V in place
   const GemmKernels& gemm = *k.gemm;
   const int64_t mr = gemm.mr, nr = gemm.nr;
   const int64_t count = rows.count();
   const int64_t heads = head_end - rows.kv_head;
-  const int64_t cols = RoundUp(count, nr);       // st columns (query rows), panels of Q
+  const int64_t cols = RoundUp(count, row_tiles ? kAmxTileRows : nr);  // st columns (query rows)
   const int64_t row_panels = CeilDiv(count, mr); // of P and the accumulator
-  const int64_t ld_acc = amx ? cols : RoundUp(d.value_dim, nr);
-  const int64_t acc_floats = amx ? d.value_dim * cols : row_panels * mr * ld_acc;
+  const int64_t ld_acc = amx ? cols : (row_tiles ? d.value_dim : RoundUp(d.value_dim, nr));
+  const int64_t acc_floats = amx || row_tiles ? d.value_dim * cols : row_panels * mr * ld_acc;
   const int64_t block = config.block_kv;
   // Per head: Q as fp32 panels or plain rows, or as bf16 VNNI panels (half as many floats).
-  const int64_t q_floats = amx ? CeilDiv(cols * d.head_dim, 2) : cols * d.head_dim;
+  const int64_t q_floats = amx || row_tiles ? CeilDiv(cols * d.head_dim, 2) : cols * d.head_dim;
 
   float* q_panels = Scratch(s.q_panels, heads * q_floats);
   float* k_panels = Scratch(s.k_panels, k_tiles.tile_floats());
@@ -536,7 +572,12 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   std::fill(max, max + heads * cols, kNegInf);
   std::fill(sum, sum + heads * cols, 0.0f);
   std::unique_ptr<AmxTileScope> tiles;
-  if (amx) tiles.reset(new AmxTileScope());
+  if (amx || row_tiles) tiles.reset(new AmxTileScope());
+  const int64_t max_depth = RoundUp(block, kAmxTileDepth);
+  const int64_t key_stride = max_depth * d.head_dim, value_stride = max_depth * d.value_dim;  // per head
+  uint16_t* key_copy = row_tiles ? Bf16Scratch(s.key_copy, heads * key_stride) : nullptr;
+  uint16_t* v_vnni = row_tiles ? Bf16Scratch(s.v_vnni, heads * value_stride) : nullptr;
+  uint16_t* p_rows = row_tiles ? Bf16Scratch(s.p_rows, 2 * max_depth * cols) : nullptr;  // then P's tile
 
   // The masks' ranges and segments depend on positions only: one RowMasks serves every head.
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
@@ -545,10 +586,10 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   for (int64_t h = 0; h < heads; ++h) {
     head_rows.kv_head = rows.kv_head + h;
     float* q = q_panels + h * q_floats;
-    if (row_dots) {
-      GatherRows(p.q, head_rows, d.head_dim, p.scale, q, d.head_dim);
-    } else if (amx) {
+    if (row_tiles || amx) {
       PackRowsVnni(p.q, head_rows, cols, reinterpret_cast<uint16_t*>(q));
+    } else if (row_dots) {
+      GatherRows(p.q, head_rows, d.head_dim, p.scale, q, d.head_dim);
     } else {
       GatherRows(p.q, head_rows, d.head_dim, p.scale, q_rows, d.head_dim);
       k.softmax->transpose_panels(q_rows, d.head_dim, count, d.head_dim, nr, q);
@@ -562,13 +603,17 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
     if (visibility == TileVisibility::kNone) continue;
     const int64_t keys = ClippedKeys(s.row_masks, s0, tile_keys);
     if (visibility == TileVisibility::kPartial) SetTileRanges(s.row_masks, count, s0, keys);
+    if (row_tiles) PackRowTiles(p, rows.b, rows.kv_head, heads, s0, keys, key_copy, key_stride, v_vnni, value_stride);
     for (int64_t h = 0; h < heads; ++h) {
       head_rows.kv_head = rows.kv_head + h;
       const int64_t kv_head = head_rows.kv_head;
       const float* q = q_panels + h * q_floats;
       float* head_acc = acc + h * acc_floats;
       // st = K_tile · (scale·Q)ᵀ, then the logits' epilogue and masks.
-      if (row_dots) {
+      if (row_tiles) {
+        AmxGemmBf16(RoundUp(keys, kAmxTileRows), cols, d.head_dim, key_copy + h * key_stride, d.head_dim,
+                    reinterpret_cast<const uint16_t*>(q), st, cols, false, p.scale);
+      } else if (row_dots) {
         k.softmax->key_dots(p.k.dtype, ElementAddress(p.k, rows.b, s0, kv_head, 0), p.k.strides[1], keys,
                             d.head_dim, q, d.head_dim, count, st, cols);
       } else if (amx) {
@@ -580,7 +625,16 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
       }
       FinishLogits(p, k, head_rows, s.row_masks, s0, keys, visibility, st, cols, nullptr);
       OnlineSoftmaxStep(k, st, keys, cols, max + h * cols, sum + h * cols, alpha, sub, tile_max);
-      if (row_dots) {
+      if (row_tiles) {
+        // acc = acc ∘ alpha + P · V_tile: P as bf16 rows (converted, then transposed), V's key
+        // pairs interleaved into VNNI panels from its rows in place.
+        k.softmax->scale_rows(head_acc, ld_acc, count, d.value_dim, alpha);
+        const int64_t depth = RoundUp(keys, kAmxTileDepth);
+        uint16_t* p_tile = p_rows + max_depth * cols;
+        AmxConvertRowsBf16(st, cols, keys, depth, cols, p_rows, cols);
+        AmxTransposeBf16(p_rows, cols, depth, cols, p_tile, depth);
+        AmxGemmBf16(cols, d.value_dim, depth, p_tile, depth, v_vnni + h * value_stride, head_acc, ld_acc, true, 1.0f);
+      } else if (row_dots) {
         k.softmax->scale_rows(head_acc, ld_acc, count, d.value_dim, alpha);
         k.softmax->accumulate_values(p.v.dtype, st, cols, keys, count, ElementAddress(p.v, rows.b, s0, kv_head, 0),
                                      p.v.strides[1], d.value_dim, head_acc, ld_acc);

@@ -285,6 +285,9 @@ TEST_P(DotProductAttentionTest, ShapesTailsAndLayouts) {
   decode.value_dim = 64;
   Check(decode, DType::kFloat32, Config(1, 32, 4));
   Check(decode, DType::kBFloat16, Config(1, 64, 3));
+  decode.kv_lengths = {293};  // kv tiles off 16-key boundaries, a partial last tile
+  decode.soft_cap = 3.0f;
+  Check(decode, DType::kBFloat16, Config(1, 40, 2));
   Problem longer_q;  // T > S with a causal mask: late queries see every key
   longer_q.q_len = 70; longer_q.kv_len = 20; longer_q.causal = true; longer_q.head_dim = 8; longer_q.value_dim = 3;
   Check(longer_q, DType::kFloat32, Config(16, 8, 1));
