@@ -51,6 +51,10 @@ void AmxPackVnniPair(const uint16_t* a, const uint16_t* b, int64_t p, int64_t de
 void AmxConvertRowsBf16(const float* x, int64_t ld, int64_t rows, int64_t pad_rows, int64_t cols, uint16_t* dst,
                         int64_t ld_dst);
 
+// One 16-column VNNI panel of `depth` (even) from 16 contiguous bf16 rows x[j * depth + p]:
+// B(p, j) = x[j * depth + p], exact. The B operand Xᵀ of a product over X's columns.
+void AmxPackVnniFromBf16Block(const uint16_t* x, int64_t depth, uint16_t* dst);
+
 // dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols: a bf16 (any 16-bit)
 // transpose, as the A operand Xᵀ of a product over X's rows.
 void AmxTransposeBf16(const uint16_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint16_t* dst,

@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <vector>
 
 #include "csrc/core/amx_gemm.h"
 #include "csrc/core/dtype.h"
@@ -239,17 +240,21 @@ void AmxConvertRowsBf16(const float* x, int64_t ld, int64_t rows, int64_t pad_ro
 
 void AmxTransposeBf16(const uint16_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint16_t* dst,
                       int64_t ld_dst) {
-  // Blocks of 16 rows x 8 columns: each two rows interleave into 32-bit pairs (dst's layout of
-  // two adjacent rows), and the 8 x 8 matrix of pairs is transposed as 32-bit lanes.
+  // Blocks of 16 rows: the rows are copied contiguous first (read whole, once: rows of one kv
+  // head sit a cache-set stride apart, and revisiting them per column block missed L1), then
+  // each two rows interleave into 32-bit pairs (dst's layout of two adjacent rows) and every
+  // 8 x 8 matrix of pairs is transposed as 32-bit lanes.
+  std::vector<uint16_t> block(16 * cols);
   alignas(32) uint32_t pairs[8][8];
   const bool pairs_fit = ld_dst % 2 == 0 && reinterpret_cast<uintptr_t>(dst) % 4 == 0;
   int64_t r0 = 0;
   for (; pairs_fit && r0 + 16 <= rows; r0 += 16) {
+    for (int64_t r = 0; r < 16; ++r) std::memcpy(&block[r * cols], src + (r0 + r) * ld_src, cols * sizeof(uint16_t));
     int64_t c0 = 0;
     for (; c0 + 8 <= cols; c0 += 8) {
       for (int i = 0; i < 8; ++i) {
-        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (r0 + 2 * i) * ld_src + c0));
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (r0 + 2 * i + 1) * ld_src + c0));
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&block[(2 * i) * cols + c0]));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&block[(2 * i + 1) * cols + c0]));
         _mm_store_si128(reinterpret_cast<__m128i*>(&pairs[i][0]), _mm_unpacklo_epi16(a, b));
         _mm_store_si128(reinterpret_cast<__m128i*>(&pairs[i][4]), _mm_unpackhi_epi16(a, b));
       }
@@ -258,11 +263,26 @@ void AmxTransposeBf16(const uint16_t* src, int64_t ld_src, int64_t rows, int64_t
                    ld_dst / 2);
     }
     for (int64_t c = c0; c < cols; ++c) {
-      for (int64_t r = r0; r < r0 + 16; ++r) dst[c * ld_dst + r] = src[r * ld_src + c];
+      for (int64_t r = 0; r < 16; ++r) dst[c * ld_dst + r0 + r] = block[r * cols + c];
     }
   }
   for (int64_t r = r0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+  }
+}
+
+void AmxPackVnniFromBf16Block(const uint16_t* x, int64_t depth, uint16_t* dst) {
+  // Row j's pairs (p, p + 1) are one 32-bit unit: the panel is the 32-bit transpose of x.
+  const float* src = reinterpret_cast<const float*>(x);
+  float* out = reinterpret_cast<float*>(dst);
+  const int64_t pairs = depth / 2;
+  int64_t p0 = 0;
+  for (; p0 + 8 <= pairs; p0 += 8) {
+    Transpose8x8(src + p0, pairs, out + p0 * 16, 16);
+    Transpose8x8(src + 8 * pairs + p0, pairs, out + p0 * 16 + 8, 16);
+  }
+  for (int64_t p = p0; p < pairs; ++p) {
+    for (int64_t j = 0; j < 16; ++j) std::memcpy(out + p * 16 + j, src + j * pairs + p, sizeof(float));
   }
 }
 

@@ -104,6 +104,13 @@ TEST(AmxGemmTest, Bf16RowPackAndTransposeAreExact) {
       ASSERT_EQ(VnniAt(packed, 64, p, j), p < 37 ? BFloat16ToFloat(x[p * 50 + j]) : 0.0f) << p << " " << j;
     }
   }
+  // A panel from 16 contiguous rows, depth 40: two 8-pair register blocks and a 4-pair tail.
+  const std::vector<uint16_t> block = SmallBf16(16 * 40, 5);
+  std::vector<uint16_t> panel(40 * 16, 0xffff);
+  AmxPackVnniFromBf16Block(block.data(), 40, panel.data());
+  for (int64_t p = 0; p < 40; ++p) {
+    for (int64_t j = 0; j < 16; ++j) ASSERT_EQ(VnniAt(panel, 40, p, j), BFloat16ToFloat(block[j * 40 + p])) << p << " " << j;
+  }
   for (int64_t rows : {37, 32, 16, 5}) {
     for (int64_t cols : {48, 13, 8}) {
       std::vector<uint16_t> t(cols * 40, 0x7777);

@@ -135,20 +135,32 @@ void GatherRows(const Tensor4View& x, const TaskRows& rows, int64_t cols, float 
 
 // B(h, r) = X[row r][h] for the task's rows of a bf16 X (q or dout), zero for count <= r <
 // cols: X's rows transposed into the VNNI panels of amx_gemm.h, depth X's head dim (even). Each
-// row's pairs (h, h + 1) move as one unit; exact, no rounding.
+// 16 rows are gathered contiguous (read whole, once), then transposed as 32-bit pairs; exact.
 void PackRowsVnni(const Tensor4View& x, const TaskRows& rows, int64_t cols, uint16_t* dst) {
   const int64_t depth = x.sizes[3], step = x.strides[3];
-  for (int64_t r = 0; r < cols; ++r) {
-    uint16_t* out = dst + (r / kAmxTileRows) * depth * kAmxTileRows + (r % kAmxTileRows) * 2;
-    if (r >= rows.count()) {
-      for (int64_t h = 0; h < depth; h += 2) out[h * kAmxTileRows] = out[h * kAmxTileRows + 1] = 0;
-      continue;
+  uint16_t block[kAmxTileRows * 256];
+  std::vector<uint16_t> large;  // head dims past 256
+  uint16_t* gathered = block;
+  if (depth > 256) {
+    large.resize(kAmxTileRows * depth);
+    gathered = large.data();
+  }
+  for (int64_t r0 = 0; r0 < cols; r0 += kAmxTileRows) {
+    for (int64_t j = 0; j < kAmxTileRows; ++j) {
+      uint16_t* out = gathered + j * depth;
+      const int64_t r = r0 + j;
+      if (r >= rows.count()) {
+        std::fill(out, out + depth, uint16_t{0});
+        continue;
+      }
+      const uint16_t* src = static_cast<const uint16_t*>(ElementAddress(x, rows.b, rows.t(r), rows.n(r), 0));
+      if (step == 1) {
+        std::memcpy(out, src, depth * sizeof(uint16_t));
+      } else {
+        for (int64_t h = 0; h < depth; ++h) out[h] = src[h * step];
+      }
     }
-    const uint16_t* src = static_cast<const uint16_t*>(ElementAddress(x, rows.b, rows.t(r), rows.n(r), 0));
-    for (int64_t h = 0; h < depth; h += 2) {
-      out[h * kAmxTileRows] = src[h * step];
-      out[h * kAmxTileRows + 1] = src[(h + 1) * step];
-    }
+    AmxPackVnniFromBf16Block(gathered, depth, dst + r0 * depth);
   }
 }
 
