@@ -316,9 +316,10 @@ class AmxOperand {
   std::unique_ptr<uint16_t[]> data_;
 };
 
-// Grow-only bf16 scratch in a float buffer.
-uint16_t* Bf16Scratch(std::vector<float>& buffer, int64_t elements) {
-  return reinterpret_cast<uint16_t*>(Scratch(buffer, CeilDiv(elements, 2)));
+// Grow-only bf16 scratch (Scratch's rule).
+uint16_t* Bf16Scratch(std::vector<uint16_t>& buffer, int64_t elements) {
+  if (static_cast<int64_t>(buffer.size()) < elements) buffer.resize(elements);
+  return buffer.data();
 }
 
 // What a task's rows can see of kv tile [s0, s1).
@@ -449,7 +450,8 @@ struct SplitPartials {
 };
 
 struct ForwardScratch {
-  std::vector<float> q_panels, q_rows, k_panels, st, v_panels, acc, max, sum, sub, alpha, tile_max, out_rows, key_copy, p_rows, v_vnni;
+  std::vector<float> q_panels, q_rows, k_panels, st, v_panels, acc, max, sum, sub, alpha, tile_max, out_rows;
+  std::vector<uint16_t> q_vnni, p_vnni, key_copy, p_rows, v_vnni;  // amx operands
   RowMasks row_masks;
 };
 
@@ -566,14 +568,16 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   const int64_t ld_acc = amx ? cols : (row_tiles ? d.value_dim : RoundUp(d.value_dim, nr));
   const int64_t acc_floats = amx || row_tiles ? d.value_dim * cols : row_panels * mr * ld_acc;
   const int64_t block = config.block_kv;
-  // Per head: Q as fp32 panels or plain rows, or as bf16 VNNI panels (half as many floats).
-  const int64_t q_floats = amx || row_tiles ? CeilDiv(cols * d.head_dim, 2) : cols * d.head_dim;
+  // Per head: Q as fp32 panels or plain rows, or (amx, row_tiles) as bf16 VNNI panels.
+  const int64_t q_floats = cols * d.head_dim;
 
-  float* q_panels = Scratch(s.q_panels, heads * q_floats);
+  float* q_panels = amx || row_tiles ? nullptr : Scratch(s.q_panels, heads * q_floats);
+  uint16_t* q_vnni = amx || row_tiles ? Bf16Scratch(s.q_vnni, heads * q_floats) : nullptr;
   float* k_panels = Scratch(s.k_panels, k_tiles.tile_floats());
   const int64_t st_rows = std::max(RoundUp(block, mr), RoundUp(block, kAmxTileDepth));
   float* st = InPlaceTileScratch(s.st, st_rows, cols);  // P·V reads it in place
-  float* v_panels = Scratch(s.v_panels, amx ? CeilDiv(st_rows * cols, 2) : v_tiles.tile_floats());
+  float* v_panels = Scratch(s.v_panels, v_tiles.tile_floats());
+  uint16_t* p_vnni = amx ? Bf16Scratch(s.p_vnni, st_rows * cols) : nullptr;
   float* acc = Scratch(s.acc, heads * acc_floats);
   float* max = Scratch(s.max, heads * cols);
   float* sum = Scratch(s.sum, heads * cols);
@@ -597,10 +601,12 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   float* q_rows = row_dots || amx ? nullptr : Scratch(s.q_rows, count * d.head_dim);
   for (int64_t h = 0; h < heads; ++h) {
     head_rows.kv_head = rows.kv_head + h;
-    float* q = q_panels + h * q_floats;
     if (row_tiles || amx) {
-      PackRowsVnni(p.q, head_rows, cols, reinterpret_cast<uint16_t*>(q));
-    } else if (row_dots) {
+      PackRowsVnni(p.q, head_rows, cols, q_vnni + h * q_floats);
+      continue;
+    }
+    float* q = q_panels + h * q_floats;
+    if (row_dots) {
       GatherRows(p.q, head_rows, d.head_dim, p.scale, q, d.head_dim);
     } else {
       GatherRows(p.q, head_rows, d.head_dim, p.scale, q_rows, d.head_dim);
@@ -619,18 +625,19 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
     for (int64_t h = 0; h < heads; ++h) {
       head_rows.kv_head = rows.kv_head + h;
       const int64_t kv_head = head_rows.kv_head;
-      const float* q = q_panels + h * q_floats;
+      const float* q = amx || row_tiles ? nullptr : q_panels + h * q_floats;
+      const uint16_t* q_tiles = amx || row_tiles ? q_vnni + h * q_floats : nullptr;
       float* head_acc = acc + h * acc_floats;
       // st = K_tile · (scale·Q)ᵀ, then the logits' epilogue and masks.
       if (row_tiles) {
         AmxGemmBf16(RoundUp(keys, kAmxTileRows), cols, d.head_dim, key_copy + h * key_stride, d.head_dim,
-                    reinterpret_cast<const uint16_t*>(q), st, cols, false, p.scale);
+                    q_tiles, st, cols, false, p.scale);
       } else if (row_dots) {
         k.softmax->key_dots(p.k.dtype, ElementAddress(p.k, rows.b, s0, kv_head, 0), p.k.strides[1], keys,
                             d.head_dim, q, d.head_dim, count, st, cols);
       } else if (amx) {
         AmxGemmBf16(RoundUp(keys, kAmxTileRows), cols, d.head_dim, amx_k->At(rows.b, kv_head, s0), amx_k->ld(),
-                    reinterpret_cast<const uint16_t*>(q), st, cols, false, p.scale);
+                    q_tiles, st, cols, false, p.scale);
       } else {
         TileGemm(gemm, d.head_dim, k_tiles.Tile(rows.b, kv_head, s0, keys, k_panels), CeilDiv(keys, mr),
                  PackedB(q, d.head_dim, nr), cols / nr, st, cols, false);
@@ -654,9 +661,8 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
         // accᵀ = accᵀ ∘ alpha + Vᵀ_tile · Pᵀ, with Pᵀ's key pairs in VNNI panels.
         k.softmax->scale_columns(head_acc, ld_acc, d.value_dim, cols, alpha);
         const int64_t depth = RoundUp(keys, kAmxTileDepth);
-        uint16_t* p_panels = reinterpret_cast<uint16_t*>(v_panels);  // the fp32 V panels are unused
-        AmxPackVnniFromRows(st, cols, keys, depth, cols, p_panels);
-        AmxGemmBf16(d.value_dim, cols, depth, amx_vt->At(rows.b, kv_head, s0), amx_vt->ld(), p_panels,
+        AmxPackVnniFromRows(st, cols, keys, depth, cols, p_vnni);
+        AmxGemmBf16(d.value_dim, cols, depth, amx_vt->At(rows.b, kv_head, s0), amx_vt->ld(), p_vnni,
                     head_acc, ld_acc, true, 1.0f);
       } else {
         // acc = acc ∘ alpha + P · V_tile, with P = stᵀ read in place: at each key, a panel's mr
@@ -725,7 +731,8 @@ void ZeroOutputs(const DotProductAttentionParams& p, const Dims& d) {
 
 struct BackwardScratch {
   std::vector<float> q_panels, q_rows, do_panels, do_rows, k_panels, k_rows, v_panels, st, dpt, tanh, a_panels,
-      dq_acc, lse_sub, delta, q_vnni, do_vnni, q_row_vnni, do_row_vnni, tile_rows, tile_vnni;
+      dq_acc, lse_sub, delta;
+  std::vector<uint16_t> q_vnni, do_vnni, q_row_vnni, do_row_vnni, tile_rows, tile_vnni;  // amx operands
   RowMasks row_masks;
 };
 
