@@ -230,6 +230,26 @@ def test_bitwise_deterministic_across_runs_and_threads(impl):
 
 # ---- gradients ----------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("option", ["causal", "softcap", "bias", "all"])
+def test_bf16_tile_head_dims_match_float64_reference(option):
+    # H % 32 == 0 and Hv % 32 == 0: on the amx tier both passes run on the AMX tile unit.
+    bias, mask, kwargs = _split(OPTIONS[option])
+    q, k, v = make_qkv(2, 19, 29, 6, 2, 64, 32, torch.float64, requires_grad=True)  # OPTIONS: T=19, S=29
+    bias = None if bias is None else bias.double().requires_grad_(True)
+    inputs = [q, k, v] + ([bias] if bias is not None else [])
+    out, lse = dpa.reference(q, k, v, bias, mask, return_residuals=True, **kwargs)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse).masked_fill(lse == -math.inf, 0)
+    want = torch.autograd.grad((out, lse), inputs, (dout, dlse), allow_unused=True)
+    low = [x.detach().to(torch.bfloat16).requires_grad_(True) for x in inputs]
+    got_out, got_lse = dpa.kernel(low[0], low[1], low[2], low[3] if bias is not None else None, mask,
+                                  return_residuals=True, **kwargs)
+    # The oracle saw the fp64 values; the kernel their bf16 rounding: compare at bf16 tolerances.
+    assert rel_error(got_out, out) <= TOLERANCE[torch.bfloat16]
+    got = torch.autograd.grad((got_out, got_lse), low, (dout.to(torch.bfloat16), dlse.float()))
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16 and rel_error(g, w) <= GRAD_TOLERANCE[torch.bfloat16]
+
+
 @pytest.mark.parametrize("option", ["plain", "causal", "window", "lengths", "segments", "softcap", "bias", "all"])
 def test_gradients_match_float64_reference(option):
     bias, mask, kwargs = _split(OPTIONS[option])
