@@ -36,6 +36,12 @@ void AmxGemmBf16(int64_t m, int64_t n, int64_t depth, const uint16_t* a, int64_t
 // depth, into VNNI panels of `depth` (a multiple of 32) for j < n (a multiple of 16).
 void AmxPackVnniFromRows(const float* x, int64_t ld, int64_t rows, int64_t depth, int64_t n, uint16_t* dst);
 
+// AmxPackVnniFromRows of exp(x[p * ld + j] - sub[j]) (the avx512 softmax tier's exp, bit for
+// bit), adding the column sums of the fp32 values, row by row, to sums[j]: the online
+// softmax's exponentiation and the probabilities' packing in one pass. x is not written.
+void AmxExpPackVnni(const float* x, int64_t ld, int64_t rows, int64_t depth, int64_t n, const float* sub, float* sums,
+                    uint16_t* dst);
+
 // Packs B(p, j) = x[j * ld + p] (fp32 rounded to bf16) for j < cols and p < valid_depth, zero
 // elsewhere, into VNNI panels of `depth` (a multiple of 32) for j < n (a multiple of 16):
 // B = Xᵀ for a row-major X of cols rows.

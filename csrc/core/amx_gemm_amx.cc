@@ -8,6 +8,7 @@
 
 #include "csrc/core/amx_gemm.h"
 #include "csrc/core/dtype.h"
+#include "csrc/core/softmax_kernels.h"
 
 namespace tokamax {
 namespace {
@@ -118,7 +119,18 @@ void ScaleBlock(float* c, int64_t ldc, int64_t rows, int64_t cols, float scale) 
   }
 }
 
+#include "csrc/core/exp_avx512.inc"
 #include "csrc/core/transpose8x8_avx.inc"
+
+// vpermw index that interleaves two converted rows: out[2i] = lo[i], out[2i + 1] = hi[i].
+__m512i InterleaveOrder() {
+  alignas(64) int16_t order[32];
+  for (int i = 0; i < 16; ++i) {
+    order[2 * i] = static_cast<int16_t>(i);
+    order[2 * i + 1] = static_cast<int16_t>(16 + i);
+  }
+  return _mm512_load_si512(order);
+}
 
 }  // namespace
 
@@ -175,13 +187,7 @@ void AmxGemmBf16(int64_t m, int64_t n, int64_t depth, const uint16_t* a, int64_t
 }
 
 void AmxPackVnniFromRows(const float* x, int64_t ld, int64_t rows, int64_t depth, int64_t n, uint16_t* dst) {
-  // vpermw index that interleaves the two converted rows: out[2i] = lo[i], out[2i + 1] = hi[i].
-  alignas(64) int16_t order[32];
-  for (int i = 0; i < 16; ++i) {
-    order[2 * i] = static_cast<int16_t>(i);
-    order[2 * i + 1] = static_cast<int16_t>(16 + i);
-  }
-  const __m512i interleave = _mm512_load_si512(order);
+  const __m512i interleave = InterleaveOrder();
   const __m512 zero = _mm512_setzero_ps();
   for (int64_t q = 0; q * 16 < n; ++q) {
     uint16_t* panel = dst + q * depth * 16;
@@ -192,6 +198,31 @@ void AmxPackVnniFromRows(const float* x, int64_t ld, int64_t rows, int64_t depth
       const __m512i pair = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
       _mm512_storeu_si512(panel + p * 16, _mm512_permutexvar_epi16(interleave, pair));
     }
+  }
+}
+
+void AmxExpPackVnni(const float* x, int64_t ld, int64_t rows, int64_t depth, int64_t n, const float* sub, float* sums,
+                    uint16_t* dst) {
+  const __m512i interleave = InterleaveOrder();
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t q = 0; q * 16 < n; ++q) {
+    const __m512 s = _mm512_loadu_ps(sub + q * 16);
+    __m512 total = zero;
+    uint16_t* panel = dst + q * depth * 16;
+    for (int64_t p = 0; p < depth; p += 2) {
+      __m512 lo = zero, hi = zero;
+      if (p < rows) {
+        lo = Exp(_mm512_sub_ps(_mm512_loadu_ps(x + p * ld + q * 16), s));
+        total = _mm512_add_ps(total, lo);
+      }
+      if (p + 1 < rows) {
+        hi = Exp(_mm512_sub_ps(_mm512_loadu_ps(x + (p + 1) * ld + q * 16), s));
+        total = _mm512_add_ps(total, hi);
+      }
+      const __m512i pair = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+      _mm512_storeu_si512(panel + p * 16, _mm512_permutexvar_epi16(interleave, pair));
+    }
+    _mm512_storeu_ps(sums + q * 16, _mm512_add_ps(_mm512_loadu_ps(sums + q * 16), total));
   }
 }
 

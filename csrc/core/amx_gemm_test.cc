@@ -4,11 +4,13 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
 #include "csrc/core/dtype.h"
 #include "csrc/core/isa.h"
+#include "csrc/core/softmax_kernels.h"
 
 namespace tokamax {
 namespace {
@@ -122,6 +124,32 @@ TEST(AmxGemmTest, Bf16RowPackAndTransposeAreExact) {
       }
     }
   }
+}
+
+TEST(AmxGemmTest, ExpPackEqualsExpThenPackBitwise) {
+  if (!AmxHere()) GTEST_SKIP() << "amx not supported here";
+  // 45 rows of 48 columns (ld 56), masked entries included, packed 64 deep.
+  std::mt19937 rng(6);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  std::vector<float> x(45 * 56);
+  for (auto& v : x) v = dist(rng);
+  for (size_t i = 0; i < x.size(); i += 7) x[i] = -std::numeric_limits<float>::infinity();
+  std::vector<float> sub(48), sums_fused(48, 0.5f), sums_two_pass(48, 0.5f);
+  for (auto& v : sub) v = dist(rng);
+  std::vector<uint16_t> fused(64 * 48), two_pass(64 * 48);
+  AmxExpPackVnni(x.data(), 56, 45, 64, 48, sub.data(), sums_fused.data(), fused.data());
+  std::vector<float> e = x;
+  GetSoftmaxKernels(Isa::kAvx512).exp_columns(e.data(), 45, 56, 48, sub.data(), sums_two_pass.data());
+  AmxPackVnniFromRows(e.data(), 56, 45, 64, 48, two_pass.data());
+  EXPECT_EQ(fused, two_pass);
+  EXPECT_EQ(sums_fused, sums_two_pass);
+  // x itself is left as it was (regenerated from the same seed).
+  std::vector<float> x_again(45 * 56);
+  std::mt19937 rng_again(6);
+  std::normal_distribution<float> dist_again(0.0f, 3.0f);
+  for (auto& v : x_again) v = dist_again(rng_again);
+  for (size_t i = 0; i < x_again.size(); i += 7) x_again[i] = -std::numeric_limits<float>::infinity();
+  EXPECT_EQ(x, x_again);
 }
 
 TEST(AmxGemmTest, TierIsReportedConsistently) {

@@ -519,11 +519,11 @@ void PackRowTiles(const DotProductAttentionParams& p, int64_t b, int64_t kv_head
   }
 }
 
-// The online softmax step of one tile for one head: the new running max of each column, the
-// factor alpha that rescales what was accumulated, then the tile exponentiated in place and
-// its column sums added to the running sums.
-void OnlineSoftmaxStep(const Kernels& k, float* st, int64_t keys, int64_t cols, float* max, float* sum,
-                       float* alpha, float* sub, float* tile_max) {
+// The online softmax step of one tile for one head, before the exponentiation: the new
+// running max of each column, the factor alpha that rescales what was accumulated (the running
+// sums rescaled here), and `sub`, what the tile's logits are shifted by before exp.
+void UpdateRunningMax(const Kernels& k, const float* st, int64_t keys, int64_t cols, float* max, float* sum,
+                      float* alpha, float* sub, float* tile_max) {
   std::fill(tile_max, tile_max + cols, kNegInf);
   k.softmax->column_max(st, keys, cols, cols, tile_max);
   for (int64_t r = 0; r < cols; ++r) {
@@ -534,7 +534,6 @@ void OnlineSoftmaxStep(const Kernels& k, float* st, int64_t keys, int64_t cols, 
     max[r] = new_max;
     sum[r] *= alpha[r];
   }
-  k.softmax->exp_columns(st, keys, cols, cols, sub, sum);
 }
 
 // One task: query block `rows` against keys [kv_begin, kv_end) for kv heads [rows.kv_head,
@@ -643,7 +642,9 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
                  PackedB(q, d.head_dim, nr), cols / nr, st, cols, false);
       }
       FinishLogits(p, k, head_rows, s.row_masks, s0, keys, visibility, st, cols, nullptr);
-      OnlineSoftmaxStep(k, st, keys, cols, max + h * cols, sum + h * cols, alpha, sub, tile_max);
+      // Online softmax; the amx path exponentiates while packing P (below).
+      UpdateRunningMax(k, st, keys, cols, max + h * cols, sum + h * cols, alpha, sub, tile_max);
+      if (!amx) k.softmax->exp_columns(st, keys, cols, cols, sub, sum + h * cols);
       if (row_tiles) {
         // acc = acc ∘ alpha + P · V_tile: P as bf16 rows (converted, then transposed), V's key
         // pairs interleaved into VNNI panels from its rows in place.
@@ -658,10 +659,11 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
         k.softmax->accumulate_values(p.v.dtype, st, cols, keys, count, ElementAddress(p.v, rows.b, s0, kv_head, 0),
                                      p.v.strides[1], d.value_dim, head_acc, ld_acc);
       } else if (amx) {
-        // accᵀ = accᵀ ∘ alpha + Vᵀ_tile · Pᵀ, with Pᵀ's key pairs in VNNI panels.
+        // accᵀ = accᵀ ∘ alpha + Vᵀ_tile · Pᵀ, with P = exp(st - sub) computed while its key pairs
+        // are packed into VNNI panels (st itself is never written back).
         k.softmax->scale_columns(head_acc, ld_acc, d.value_dim, cols, alpha);
         const int64_t depth = RoundUp(keys, kAmxTileDepth);
-        AmxPackVnniFromRows(st, cols, keys, depth, cols, p_vnni);
+        AmxExpPackVnni(st, cols, keys, depth, cols, sub, sum + h * cols, p_vnni);
         AmxGemmBf16(d.value_dim, cols, depth, amx_vt->At(rows.b, kv_head, s0), amx_vt->ld(), p_vnni,
                     head_acc, ld_acc, true, 1.0f);
       } else {
