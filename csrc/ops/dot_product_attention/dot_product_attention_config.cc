@@ -77,7 +77,10 @@ Status DotProductAttentionConfig::FromVector(const std::vector<int64_t>& values,
 
 DotProductAttentionConfig DotProductAttentionHeuristicConfig(const DotProductAttentionShape& shape, DType dtype,
                                                              const CpuInfo& cpu, int product) {
-  (void)dtype;  // every operand is widened to fp32 while packing: the tiling is dtype-independent
+  // The tiling is dtype-independent: the fp32 paths widen every operand while packing, and the
+  // amx tier's bf16 tiles, half the bytes, fit wherever the fp32 ones do (an A/B of block sizes
+  // on the amx paths stayed within the noise, docs/benchmarks.md).
+  (void)dtype;
   DotProductAttentionConfig config;
   const int64_t group = GroupOf(shape);
   // A tile's rows are (position, query head) pairs: block_q positions times the group.
