@@ -1,6 +1,8 @@
 // The GEMM driver: cache blocking and the loops around the per-ISA micro-kernels.
 #include "csrc/core/gemm.h"
 
+#include "csrc/core/amx_gemm.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <new>
@@ -14,10 +16,19 @@ const GemmKernels& GemmKernelsScalar();
 const GemmKernels& GemmKernelsAvx2();
 const GemmKernels& GemmKernelsAvx512();
 
+const GemmKernels& GemmKernelsAmx() {
+  static const GemmKernels kernels = [] {
+    GemmKernels table = GemmKernelsAvx512();
+    table.amx_bf16 = true;
+    return table;
+  }();
+  return kernels;
+}
+
 const GemmKernels& GetGemmKernels(Isa isa) {
   switch (isa) {
-    case Isa::kAvx512:
-    case Isa::kAmx: return GemmKernelsAvx512();  // bf16 tile products: amx_gemm.h
+    case Isa::kAmx: return GemmKernelsAmx();
+    case Isa::kAvx512: return GemmKernelsAvx512();
     case Isa::kAvx2: return GemmKernelsAvx2();
     case Isa::kScalar: break;
   }
@@ -51,6 +62,7 @@ class ScratchBuffer {
 
 struct GemmScratch {
   ScratchBuffer a_pack, b_pack, b_tail, acc;
+  std::vector<uint16_t> a_bf16, b_vnni, rows_bf16;  // the amx path's operands
 };
 
 GemmScratch& ThreadScratch() {
@@ -97,6 +109,107 @@ void GemmRegionFloat64(const ConstMatrix& a, const ConstMatrix& b, const Mutable
   }
 }
 
+// A(row0 + i, k0 + p) for i < rows, p < depth as row-major bf16 [rows rounded up to 16][ld =
+// depth rounded up to 32], zero-padded: the A operand of AmxGemmBf16.
+void PackABf16(const ConstMatrix& a, int64_t row0, int64_t rows, int64_t k0, int64_t depth, uint16_t* dst,
+               int64_t ld) {
+  const uint16_t* data = static_cast<const uint16_t*>(a.data);
+  const int64_t padded_rows = RoundUp(rows, kAmxTileRows);
+  std::fill(dst, dst + padded_rows * ld, uint16_t{0});
+  if (a.row_stride == 1 && a.col_stride != 1) {  // a transposed view: its columns are contiguous
+    AmxTransposeBf16(data + row0 + k0 * a.col_stride, a.col_stride, depth, rows, dst, ld);
+    return;
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint16_t* src = data + (row0 + i) * a.row_stride + k0 * a.col_stride;
+    if (a.col_stride == 1) {
+      std::memcpy(dst + i * ld, src, depth * sizeof(uint16_t));
+    } else {
+      for (int64_t p = 0; p < depth; ++p) dst[i * ld + p] = src[p * a.col_stride];
+    }
+  }
+}
+
+// B(k0 + p, col0 + j) for p < depth, j < cols in the VNNI panels of AmxGemmBf16, `padded_depth`
+// deep (a multiple of 32) and cols rounded up to 16 wide, zero-padded.
+void PackBVnni(const ConstMatrix& b, int64_t k0, int64_t depth, int64_t padded_depth, int64_t col0, int64_t cols,
+               uint16_t* dst, std::vector<uint16_t>& rows) {
+  const uint16_t* data = static_cast<const uint16_t*>(b.data);
+  const int64_t padded_cols = RoundUp(cols, kAmxTileRows);
+  if (b.col_stride == 1) {
+    // Row pairs straight from B's rows (a row's last partial panel through a padded copy).
+    rows.assign(2 * padded_cols, 0);
+    for (int64_t p = 0; p < padded_depth; p += 2) {
+      for (int64_t r = 0; r < 2; ++r) {
+        uint16_t* row = rows.data() + r * padded_cols;
+        if (p + r < depth) {
+          std::memcpy(row, data + (k0 + p + r) * b.row_stride + col0, cols * sizeof(uint16_t));
+        } else {
+          std::fill(row, row + padded_cols, uint16_t{0});
+        }
+      }
+      AmxPackVnniPair(rows.data(), rows.data() + padded_cols, p, padded_depth, padded_cols, dst);
+    }
+    return;
+  }
+  // Columns contiguous along the depth (B a transposed view) or any strides: 16 columns at a
+  // time gathered into contiguous rows, then transposed as 32-bit pairs.
+  rows.assign(kAmxTileRows * padded_depth, 0);
+  for (int64_t q = 0; q * kAmxTileRows < padded_cols; ++q) {
+    for (int64_t j = 0; j < kAmxTileRows; ++j) {
+      uint16_t* row = rows.data() + j * padded_depth;
+      const int64_t col = q * kAmxTileRows + j;
+      if (col >= cols) {
+        std::fill(row, row + padded_depth, uint16_t{0});
+        continue;
+      }
+      const uint16_t* src = data + k0 * b.row_stride + (col0 + col) * b.col_stride;
+      if (b.row_stride == 1) {
+        std::memcpy(row, src, depth * sizeof(uint16_t));
+      } else {
+        for (int64_t p = 0; p < depth; ++p) row[p] = src[p * b.row_stride];
+      }
+      std::fill(row + depth, row + padded_depth, uint16_t{0});
+    }
+    AmxPackVnniFromBf16Block(rows.data(), padded_depth, dst + q * padded_depth * kAmxTileRows);
+  }
+}
+
+// GemmRegion on the tile unit for bf16 A and B: the same loops (block_n columns, block_k deep
+// slices, block_m rows), bf16 operands instead of fp32 panels, fp32 accumulation in the tile
+// buffer, converted into C by the tier's store_c.
+void GemmRegionAmx(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c,
+                   int64_t m0, int64_t m1, int64_t n0, int64_t n1, const GemmBlocking& blocking) {
+  GemmScratch& scratch = ThreadScratch();
+  AmxTileScope tiles;
+  const int64_t depth_total = a.cols;
+  const int64_t rows = m1 - m0;
+  const int64_t rows_padded = RoundUp(rows, kAmxTileRows);
+  const int64_t block_m = RoundUp(blocking.block_m, kAmxTileRows);
+  const int64_t block_k = RoundUp(blocking.block_k, kAmxTileDepth);
+  for (int64_t jc = n0; jc < n1; jc += blocking.block_n) {
+    const int64_t cols = std::min(blocking.block_n, n1 - jc);
+    const int64_t cols_padded = RoundUp(cols, kAmxTileRows);
+    float* acc = scratch.acc.Get(rows_padded * cols_padded);
+    if (depth_total == 0) std::memset(acc, 0, sizeof(float) * rows_padded * cols_padded);
+    for (int64_t pc = 0; pc < depth_total; pc += block_k) {
+      const int64_t depth = std::min(block_k, depth_total - pc);
+      const int64_t padded_depth = RoundUp(depth, kAmxTileDepth);
+      scratch.b_vnni.resize(padded_depth * cols_padded);
+      PackBVnni(b, pc, depth, padded_depth, jc, cols, scratch.b_vnni.data(), scratch.rows_bf16);
+      for (int64_t ic = m0; ic < m1; ic += block_m) {
+        const int64_t block_rows = std::min(block_m, m1 - ic);
+        const int64_t tile_rows = RoundUp(block_rows, kAmxTileRows);
+        scratch.a_bf16.resize(tile_rows * padded_depth);
+        PackABf16(a, ic, block_rows, pc, depth, scratch.a_bf16.data(), padded_depth);
+        AmxGemmBf16(tile_rows, cols_padded, padded_depth, scratch.a_bf16.data(), padded_depth, scratch.b_vnni.data(),
+                    acc + (ic - m0) * cols_padded, cols_padded, pc > 0, 1.0f);
+      }
+    }
+    kernels.store_c(acc, cols_padded, rows, cols, c, m0, jc);
+  }
+}
+
 }  // namespace
 
 void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b,
@@ -105,6 +218,10 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
   if (m1 <= m0 || n1 <= n0) return;
   if (a.dtype == DType::kFloat64) {
     GemmRegionFloat64(a, b, c, m0, m1, n0, n1);
+    return;
+  }
+  if (kernels.amx_bf16 && a.dtype == DType::kBFloat16 && b.dtype == DType::kBFloat16) {
+    GemmRegionAmx(kernels, a, b, c, m0, m1, n0, n1, blocking);
     return;
   }
   GemmScratch& scratch = ThreadScratch();
