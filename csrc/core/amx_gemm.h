@@ -42,15 +42,20 @@ void AmxPackVnniFromRows(const float* x, int64_t ld, int64_t rows, int64_t depth
 void AmxExpPackVnni(const float* x, int64_t ld, int64_t rows, int64_t depth, int64_t n, const float* sub, float* sums,
                     uint16_t* dst);
 
-// Packs B(p, j) = x[j * ld + p] (fp32 rounded to bf16) for j < cols and p < valid_depth, zero
-// elsewhere, into VNNI panels of `depth` (a multiple of 32) for j < n (a multiple of 16):
-// B = Xᵀ for a row-major X of cols rows.
-void AmxPackVnniFromColumns(const float* x, int64_t ld, int64_t cols, int64_t valid_depth, int64_t depth, int64_t n,
-                            uint16_t* dst);
-
 // Depth steps p and p + 1 (p even) of VNNI panels of `depth` for j < n: B(p, j) = a[j] and
 // B(p + 1, j) = b[j], bf16; a null row is zeros. Lets a caller fill panels in its own order.
 void AmxPackVnniPair(const uint16_t* a, const uint16_t* b, int64_t p, int64_t depth, int64_t n, uint16_t* dst);
+
+// One panel as above from 16 bf16 vectors: B(p, j) = vectors[j][p * step] for p <
+// valid_depth, zero past it and for a null vector. Xᵀ over 16 rows (or columns) of a strided X.
+void AmxPackVnniFromBf16Vectors(const uint16_t* const vectors[16], int64_t step, int64_t valid_depth, int64_t depth,
+                                uint16_t* dst);
+
+// A bf16 matrix X (X(i, j) at src[i * row_stride + j * col_stride], rows x cols) copied
+// row-major, dst[i * ld + j], or with `transpose` as Xᵀ, dst[j * ld + i]: by rows along a
+// contiguous dimension, by the register transpose across one, elementwise otherwise.
+void AmxCopyBf16(const uint16_t* src, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols,
+                 bool transpose, uint16_t* dst, int64_t ld);
 
 // dst[r * ld_dst + c] = x[r * ld + c] rounded to bf16 for r < rows, c < cols (a multiple of
 // 16), and zero rows for rows <= r < pad_rows: an fp32 tile as a row-major A operand.

@@ -3,7 +3,9 @@
 // tile data state (IsaSupported(Isa::kAmx)).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "csrc/core/amx_gemm.h"
@@ -132,6 +134,13 @@ __m512i InterleaveOrder() {
   return _mm512_load_si512(order);
 }
 
+// One VNNI row of a panel: lo and hi (depth steps p and p + 1 of 16 columns) rounded to bf16
+// (cvtne2ps: nearest even, upper half from the first operand) and interleaved.
+inline void StoreVnniPair(__m512 lo, __m512 hi, __m512i interleave, uint16_t* dst) {
+  const __m512i pair = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, pair));
+}
+
 }  // namespace
 
 AmxTileScope::AmxTileScope() {
@@ -194,9 +203,7 @@ void AmxPackVnniFromRows(const float* x, int64_t ld, int64_t rows, int64_t depth
     for (int64_t p = 0; p < depth; p += 2) {
       const __m512 lo = p < rows ? _mm512_loadu_ps(x + p * ld + q * 16) : zero;
       const __m512 hi = p + 1 < rows ? _mm512_loadu_ps(x + (p + 1) * ld + q * 16) : zero;
-      // cvtne2ps: round to nearest even, upper half from the first operand.
-      const __m512i pair = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
-      _mm512_storeu_si512(panel + p * 16, _mm512_permutexvar_epi16(interleave, pair));
+      StoreVnniPair(lo, hi, interleave, panel + p * 16);
     }
   }
 }
@@ -219,25 +226,9 @@ void AmxExpPackVnni(const float* x, int64_t ld, int64_t rows, int64_t depth, int
         hi = Exp(_mm512_sub_ps(_mm512_loadu_ps(x + (p + 1) * ld + q * 16), s));
         total = _mm512_add_ps(total, hi);
       }
-      const __m512i pair = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
-      _mm512_storeu_si512(panel + p * 16, _mm512_permutexvar_epi16(interleave, pair));
+      StoreVnniPair(lo, hi, interleave, panel + p * 16);
     }
     _mm512_storeu_ps(sums + q * 16, _mm512_add_ps(_mm512_loadu_ps(sums + q * 16), total));
-  }
-}
-
-void AmxPackVnniFromColumns(const float* x, int64_t ld, int64_t cols, int64_t valid_depth, int64_t depth, int64_t n,
-                            uint16_t* dst) {
-  for (int64_t q = 0; q * 16 < n; ++q) {
-    uint16_t* panel = dst + q * depth * 16;
-    for (int64_t j = 0; j < 16; ++j) {
-      const int64_t col = q * 16 + j;
-      const float* src = x + col * ld;
-      for (int64_t p = 0; p < depth; ++p) {
-        const float value = col < cols && p < valid_depth ? src[p] : 0.0f;
-        panel[(p / 2) * 32 + j * 2 + p % 2] = FloatToBFloat16(value);
-      }
-    }
   }
 }
 
@@ -275,7 +266,8 @@ void AmxTransposeBf16(const uint16_t* src, int64_t ld_src, int64_t rows, int64_t
   // head sit a cache-set stride apart, and revisiting them per column block missed L1), then
   // each two rows interleave into 32-bit pairs (dst's layout of two adjacent rows) and every
   // 8 x 8 matrix of pairs is transposed as 32-bit lanes.
-  std::vector<uint16_t> block(16 * cols);
+  thread_local std::vector<uint16_t> block;  // grow-only: called per tile on the decode path
+  if (block.size() < static_cast<size_t>(16 * cols)) block.resize(16 * cols);
   alignas(32) uint32_t pairs[8][8];
   const bool pairs_fit = ld_dst % 2 == 0 && reinterpret_cast<uintptr_t>(dst) % 4 == 0;
   int64_t r0 = 0;
@@ -314,6 +306,45 @@ void AmxPackVnniFromBf16Block(const uint16_t* x, int64_t depth, uint16_t* dst) {
   }
   for (int64_t p = p0; p < pairs; ++p) {
     for (int64_t j = 0; j < 16; ++j) std::memcpy(out + p * 16 + j, src + j * pairs + p, sizeof(float));
+  }
+}
+
+void AmxPackVnniFromBf16Vectors(const uint16_t* const vectors[16], int64_t step, int64_t valid_depth, int64_t depth,
+                                uint16_t* dst) {
+  thread_local std::vector<uint16_t> block;  // grow-only
+  if (block.size() < static_cast<size_t>(16 * depth)) block.resize(16 * depth);
+  for (int64_t j = 0; j < 16; ++j) {
+    uint16_t* row = block.data() + j * depth;
+    const uint16_t* src = vectors[j];
+    int64_t p = 0;
+    if (src != nullptr && step == 1) {
+      std::memcpy(row, src, valid_depth * sizeof(uint16_t));
+      p = valid_depth;
+    } else if (src != nullptr) {
+      for (; p < valid_depth; ++p) row[p] = src[p * step];
+    }
+    std::fill(row + p, row + depth, uint16_t{0});
+  }
+  AmxPackVnniFromBf16Block(block.data(), depth, dst);
+}
+
+void AmxCopyBf16(const uint16_t* src, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols,
+                 bool transpose, uint16_t* dst, int64_t ld) {
+  // Copying X transposed is copying Xᵀ as it is: swap the view, then dst[i * ld + j] = Y(i, j).
+  if (transpose) {
+    std::swap(row_stride, col_stride);
+    std::swap(rows, cols);
+  }
+  if (col_stride == 1) {
+    for (int64_t i = 0; i < rows; ++i) std::memcpy(dst + i * ld, src + i * row_stride, cols * sizeof(uint16_t));
+    return;
+  }
+  if (row_stride == 1) {  // Y's columns are contiguous: Y is the transpose of a row-major matrix
+    AmxTransposeBf16(src, col_stride, cols, rows, dst, ld);
+    return;
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) dst[i * ld + j] = src[i * row_stride + j * col_stride];
   }
 }
 

@@ -82,13 +82,41 @@ TEST(AmxGemmTest, PackersRoundAndZeroPad) {
       ASSERT_EQ(VnniAt(from_rows, 32, p, j), want) << p << " " << j;
     }
   }
-  // The same matrix as Xᵀ: 5 columns of B, 24 valid depth steps, padded to 16 columns x 32.
-  std::vector<uint16_t> from_cols(32 * 16, 0xffff);
-  AmxPackVnniFromColumns(x.data(), 40, 5, 24, 32, 16, from_cols.data());
-  for (int64_t p = 0; p < 32; ++p) {
-    for (int64_t j = 0; j < 16; ++j) {
-      const float want = j < 5 && p < 24 ? BFloat16ToFloat(FloatToBFloat16(x[j * 40 + p])) : 0.0f;
-      ASSERT_EQ(VnniAt(from_cols, 32, p, j), want) << p << " " << j;
+  // Xᵀ from 16 vector pointers: 5 columns of B (rows of x as bf16, read with step 2 and as is),
+  // 24 valid depth steps, the rest and the null vectors zero.
+  std::vector<uint16_t> bits(5 * 80);
+  for (int64_t i = 0; i < 5 * 80; ++i) bits[i] = FloatToBFloat16(x[(i / 80) * 40 + (i % 80) / 2]);
+  for (int64_t step : {1, 2}) {
+    const uint16_t* vectors[16] = {};
+    for (int64_t j = 0; j < 5; ++j) vectors[j] = bits.data() + j * 80;
+    std::vector<uint16_t> from_vectors(32 * 16, 0xffff);
+    AmxPackVnniFromBf16Vectors(vectors, step, 24, 32, from_vectors.data());
+    for (int64_t p = 0; p < 32; ++p) {
+      for (int64_t j = 0; j < 16; ++j) {
+        const float want = j < 5 && p < 24 ? BFloat16ToFloat(bits[j * 80 + p * step]) : 0.0f;
+        ASSERT_EQ(VnniAt(from_vectors, 32, p, j), want) << step << " " << p << " " << j;
+      }
+    }
+  }
+}
+
+TEST(AmxGemmTest, StridedCopiesAndTransposesAreExact) {
+  if (!AmxHere()) GTEST_SKIP() << "amx not supported here";
+  // A 37 x 21 view of a 3000-element buffer: row-major, column-major (a transposed view) and fully
+  // strided, each copied as it is and transposed.
+  const std::vector<uint16_t> x = SmallBf16(50 * 60, 7);
+  struct View { int64_t row_stride, col_stride; };
+  for (const View& v : {View{60, 1}, View{1, 50}, View{80, 2}}) {
+    for (bool transpose : {false, true}) {
+      std::vector<uint16_t> got(40 * 64, 0x7777);
+      AmxCopyBf16(x.data(), v.row_stride, v.col_stride, 37, 21, transpose, got.data(), 64);
+      for (int64_t i = 0; i < 37; ++i) {
+        for (int64_t j = 0; j < 21; ++j) {
+          const uint16_t want = x[i * v.row_stride + j * v.col_stride];
+          ASSERT_EQ(transpose ? got[j * 64 + i] : got[i * 64 + j], want)
+              << v.row_stride << "," << v.col_stride << " t=" << transpose << " " << i << " " << j;
+        }
+      }
     }
   }
 }

@@ -113,65 +113,42 @@ void GemmRegionFloat64(const ConstMatrix& a, const ConstMatrix& b, const Mutable
 // depth rounded up to 32], zero-padded: the A operand of AmxGemmBf16.
 void PackABf16(const ConstMatrix& a, int64_t row0, int64_t rows, int64_t k0, int64_t depth, uint16_t* dst,
                int64_t ld) {
-  const uint16_t* data = static_cast<const uint16_t*>(a.data);
-  const int64_t padded_rows = RoundUp(rows, kAmxTileRows);
-  std::fill(dst, dst + padded_rows * ld, uint16_t{0});
-  if (a.row_stride == 1 && a.col_stride != 1) {  // a transposed view: its columns are contiguous
-    AmxTransposeBf16(data + row0 + k0 * a.col_stride, a.col_stride, depth, rows, dst, ld);
-    return;
-  }
-  for (int64_t i = 0; i < rows; ++i) {
-    const uint16_t* src = data + (row0 + i) * a.row_stride + k0 * a.col_stride;
-    if (a.col_stride == 1) {
-      std::memcpy(dst + i * ld, src, depth * sizeof(uint16_t));
-    } else {
-      for (int64_t p = 0; p < depth; ++p) dst[i * ld + p] = src[p * a.col_stride];
-    }
-  }
+  std::fill(dst, dst + RoundUp(rows, kAmxTileRows) * ld, uint16_t{0});
+  const uint16_t* origin = static_cast<const uint16_t*>(a.data) + row0 * a.row_stride + k0 * a.col_stride;
+  AmxCopyBf16(origin, a.row_stride, a.col_stride, rows, depth, /*transpose=*/false, dst, ld);
 }
 
 // B(k0 + p, col0 + j) for p < depth, j < cols in the VNNI panels of AmxGemmBf16, `padded_depth`
 // deep (a multiple of 32) and cols rounded up to 16 wide, zero-padded.
 void PackBVnni(const ConstMatrix& b, int64_t k0, int64_t depth, int64_t padded_depth, int64_t col0, int64_t cols,
                uint16_t* dst, std::vector<uint16_t>& rows) {
-  const uint16_t* data = static_cast<const uint16_t*>(b.data);
+  const uint16_t* origin = static_cast<const uint16_t*>(b.data) + k0 * b.row_stride + col0 * b.col_stride;
   const int64_t padded_cols = RoundUp(cols, kAmxTileRows);
-  if (b.col_stride == 1) {
-    // Row pairs straight from B's rows (a row's last partial panel through a padded copy).
+  auto row = [&](int64_t p) { return p < depth ? origin + p * b.row_stride : nullptr; };
+  if (b.col_stride == 1 && cols == padded_cols) {  // row pairs straight from B's rows
+    for (int64_t p = 0; p < padded_depth; p += 2) AmxPackVnniPair(row(p), row(p + 1), p, padded_depth, cols, dst);
+    return;
+  }
+  if (b.col_stride == 1) {  // the same through a padded copy of each pair (a last partial panel)
     rows.assign(2 * padded_cols, 0);
     for (int64_t p = 0; p < padded_depth; p += 2) {
       for (int64_t r = 0; r < 2; ++r) {
-        uint16_t* row = rows.data() + r * padded_cols;
-        if (p + r < depth) {
-          std::memcpy(row, data + (k0 + p + r) * b.row_stride + col0, cols * sizeof(uint16_t));
-        } else {
-          std::fill(row, row + padded_cols, uint16_t{0});
-        }
+        if (p + r < depth) std::memcpy(rows.data() + r * padded_cols, row(p + r), cols * sizeof(uint16_t));
+        else std::fill(rows.data() + r * padded_cols, rows.data() + (r + 1) * padded_cols, uint16_t{0});
       }
       AmxPackVnniPair(rows.data(), rows.data() + padded_cols, p, padded_depth, padded_cols, dst);
     }
     return;
   }
-  // Columns contiguous along the depth (B a transposed view) or any strides: 16 columns at a
-  // time gathered into contiguous rows, then transposed as 32-bit pairs.
-  rows.assign(kAmxTileRows * padded_depth, 0);
+  // Columns contiguous along the depth (B a transposed view) or any strides: B's columns, 16 at
+  // a time, as the vectors of one panel.
   for (int64_t q = 0; q * kAmxTileRows < padded_cols; ++q) {
+    const uint16_t* columns[kAmxTileRows] = {};
     for (int64_t j = 0; j < kAmxTileRows; ++j) {
-      uint16_t* row = rows.data() + j * padded_depth;
       const int64_t col = q * kAmxTileRows + j;
-      if (col >= cols) {
-        std::fill(row, row + padded_depth, uint16_t{0});
-        continue;
-      }
-      const uint16_t* src = data + k0 * b.row_stride + (col0 + col) * b.col_stride;
-      if (b.row_stride == 1) {
-        std::memcpy(row, src, depth * sizeof(uint16_t));
-      } else {
-        for (int64_t p = 0; p < depth; ++p) row[p] = src[p * b.row_stride];
-      }
-      std::fill(row + depth, row + padded_depth, uint16_t{0});
+      if (col < cols) columns[j] = origin + col * b.col_stride;
     }
-    AmxPackVnniFromBf16Block(rows.data(), padded_depth, dst + q * padded_depth * kAmxTileRows);
+    AmxPackVnniFromBf16Vectors(columns, b.row_stride, depth, padded_depth, dst + q * padded_depth * kAmxTileRows);
   }
 }
 

@@ -89,9 +89,11 @@ void StoreRow(const MutableTensor4View& view, int64_t i0, int64_t i1, int64_t i2
   });
 }
 
-// Grow-only per-thread scratch; resized, never shrunk, so steady-state calls do not allocate.
-float* Scratch(std::vector<float>& buffer, int64_t floats) {
-  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+// Grow-only per-thread scratch (fp32, or bf16 for the amx operands); resized, never shrunk, so
+// steady-state calls do not allocate.
+template <typename T>
+T* Scratch(std::vector<T>& buffer, int64_t count) {
+  if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
   return buffer.data();
 }
 
@@ -137,30 +139,14 @@ void GatherRows(const Tensor4View& x, const TaskRows& rows, int64_t cols, float 
 // cols: X's rows transposed into the VNNI panels of amx_gemm.h, depth X's head dim (even). Each
 // 16 rows are gathered contiguous (read whole, once), then transposed as 32-bit pairs; exact.
 void PackRowsVnni(const Tensor4View& x, const TaskRows& rows, int64_t cols, uint16_t* dst) {
-  const int64_t depth = x.sizes[3], step = x.strides[3];
-  uint16_t block[kAmxTileRows * 256];
-  std::vector<uint16_t> large;  // head dims past 256
-  uint16_t* gathered = block;
-  if (depth > 256) {
-    large.resize(kAmxTileRows * depth);
-    gathered = large.data();
-  }
+  const int64_t depth = x.sizes[3];
   for (int64_t r0 = 0; r0 < cols; r0 += kAmxTileRows) {
-    for (int64_t j = 0; j < kAmxTileRows; ++j) {
-      uint16_t* out = gathered + j * depth;
+    const uint16_t* vectors[kAmxTileRows] = {};
+    for (int64_t j = 0; j < kAmxTileRows && r0 + j < rows.count(); ++j) {
       const int64_t r = r0 + j;
-      if (r >= rows.count()) {
-        std::fill(out, out + depth, uint16_t{0});
-        continue;
-      }
-      const uint16_t* src = static_cast<const uint16_t*>(ElementAddress(x, rows.b, rows.t(r), rows.n(r), 0));
-      if (step == 1) {
-        std::memcpy(out, src, depth * sizeof(uint16_t));
-      } else {
-        for (int64_t h = 0; h < depth; ++h) out[h] = src[h * step];
-      }
+      vectors[j] = static_cast<const uint16_t*>(ElementAddress(x, rows.b, rows.t(r), rows.n(r), 0));
     }
-    AmxPackVnniFromBf16Block(gathered, depth, dst + r0 * depth);
+    AmxPackVnniFromBf16Vectors(vectors, x.strides[3], depth, depth, dst + r0 * depth);
   }
 }
 
@@ -285,27 +271,13 @@ class AmxOperand {
 
  private:
   void Pack(int64_t b, int64_t kv_head, int64_t head) const {
-    const int64_t kv_len = x_.sizes[1], width = x_.sizes[3], step = x_.strides[3];
+    const int64_t kv_len = x_.sizes[1], width = x_.sizes[3];
     uint16_t* dst = data_.get() + head * head_elements_;
     const uint16_t* src = static_cast<const uint16_t*>(ElementAddress(x_, b, 0, kv_head, 0));
+    AmxCopyBf16(src, x_.strides[1], x_.strides[3], kv_len, width, layout_ == kTransposed, dst, ld_);
     if (layout_ == kRows) {
-      for (int64_t s = 0; s < kv_len; ++s) {
-        const uint16_t* row = src + s * x_.strides[1];
-        if (step == 1) {
-          std::memcpy(dst + s * ld_, row, width * sizeof(uint16_t));
-        } else {
-          for (int64_t c = 0; c < width; ++c) dst[s * ld_ + c] = row[c * step];
-        }
-      }
       std::fill(dst + kv_len * ld_, dst + head_elements_, uint16_t{0});
       return;
-    }
-    if (step == 1) {
-      AmxTransposeBf16(src, x_.strides[1], kv_len, width, dst, ld_);
-    } else {
-      for (int64_t s = 0; s < kv_len; ++s) {
-        for (int64_t c = 0; c < width; ++c) dst[c * ld_ + s] = src[s * x_.strides[1] + c * step];
-      }
     }
     for (int64_t c = 0; c < width; ++c) std::fill(dst + c * ld_ + kv_len, dst + (c + 1) * ld_, uint16_t{0});
   }
@@ -315,12 +287,6 @@ class AmxOperand {
   int64_t rows_ = 0, ld_ = 0, head_elements_ = 0;
   std::unique_ptr<uint16_t[]> data_;
 };
-
-// Grow-only bf16 scratch (Scratch's rule).
-uint16_t* Bf16Scratch(std::vector<uint16_t>& buffer, int64_t elements) {
-  if (static_cast<int64_t>(buffer.size()) < elements) buffer.resize(elements);
-  return buffer.data();
-}
 
 // What a task's rows can see of kv tile [s0, s1).
 enum class TileVisibility { kNone, kPartial, kFull };
@@ -571,12 +537,12 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   const int64_t q_floats = cols * d.head_dim;
 
   float* q_panels = amx || row_tiles ? nullptr : Scratch(s.q_panels, heads * q_floats);
-  uint16_t* q_vnni = amx || row_tiles ? Bf16Scratch(s.q_vnni, heads * q_floats) : nullptr;
+  uint16_t* q_vnni = amx || row_tiles ? Scratch(s.q_vnni, heads * q_floats) : nullptr;
   float* k_panels = Scratch(s.k_panels, k_tiles.tile_floats());
   const int64_t st_rows = std::max(RoundUp(block, mr), RoundUp(block, kAmxTileDepth));
   float* st = InPlaceTileScratch(s.st, st_rows, cols);  // P·V reads it in place
   float* v_panels = Scratch(s.v_panels, v_tiles.tile_floats());
-  uint16_t* p_vnni = amx ? Bf16Scratch(s.p_vnni, st_rows * cols) : nullptr;
+  uint16_t* p_vnni = amx ? Scratch(s.p_vnni, st_rows * cols) : nullptr;
   float* acc = Scratch(s.acc, heads * acc_floats);
   float* max = Scratch(s.max, heads * cols);
   float* sum = Scratch(s.sum, heads * cols);
@@ -590,9 +556,9 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   if (amx || row_tiles) tiles.reset(new AmxTileScope());
   const int64_t max_depth = RoundUp(block, kAmxTileDepth);
   const int64_t key_stride = max_depth * d.head_dim, value_stride = max_depth * d.value_dim;  // per head
-  uint16_t* key_copy = row_tiles ? Bf16Scratch(s.key_copy, heads * key_stride) : nullptr;
-  uint16_t* v_vnni = row_tiles ? Bf16Scratch(s.v_vnni, heads * value_stride) : nullptr;
-  uint16_t* p_rows = row_tiles ? Bf16Scratch(s.p_rows, 2 * max_depth * cols) : nullptr;  // then P's tile
+  uint16_t* key_copy = row_tiles ? Scratch(s.key_copy, heads * key_stride) : nullptr;
+  uint16_t* v_vnni = row_tiles ? Scratch(s.v_vnni, heads * value_stride) : nullptr;
+  uint16_t* p_rows = row_tiles ? Scratch(s.p_rows, 2 * max_depth * cols) : nullptr;  // then P's tile
 
   // The masks' ranges and segments depend on positions only: one RowMasks serves every head.
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
@@ -787,12 +753,12 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
   uint16_t *tile_rows = nullptr, *tile_vnni = nullptr;
   std::unique_ptr<AmxTileScope> tiles;
   if (amx) {
-    q_vnni = Bf16Scratch(s.q_vnni, max_cols * d.head_dim);
-    do_vnni = Bf16Scratch(s.do_vnni, max_cols * d.value_dim);
-    q_row_vnni = Bf16Scratch(s.q_row_vnni, max_cols * d.head_dim);
-    do_row_vnni = Bf16Scratch(s.do_row_vnni, max_cols * d.value_dim);
-    tile_rows = Bf16Scratch(s.tile_rows, kv_rows * max_cols);
-    tile_vnni = Bf16Scratch(s.tile_vnni, kv_rows * max_cols);
+    q_vnni = Scratch(s.q_vnni, max_cols * d.head_dim);
+    do_vnni = Scratch(s.do_vnni, max_cols * d.value_dim);
+    q_row_vnni = Scratch(s.q_row_vnni, max_cols * d.head_dim);
+    do_row_vnni = Scratch(s.do_row_vnni, max_cols * d.value_dim);
+    tile_rows = Scratch(s.tile_rows, kv_rows * max_cols);
+    tile_vnni = Scratch(s.tile_vnni, kv_rows * max_cols);
     tiles.reset(new AmxTileScope());
   }
 
