@@ -35,7 +35,8 @@ struct SoftmaxKernels {
                                const float* d);
   // st[j * ld_st + r] = sum_h key[j][h] * q[r][h] for j < keys, r < rows (at most
   // kMaxRowDotRows): key rows of `dtype` at key + j * ld_key, contiguous along h; q fp32 rows
-  // of length depth at q + r * ld_q. Reads each key row once, so it streams K at memory speed.
+  // of length depth at q + r * ld_q. Reads each key row once; prefetching the rows (which sit a
+  // page apart in a KV cache) is the caller's, which knows the order they are laid out in.
   void (*key_dots)(DType dtype, const void* key, int64_t ld_key, int64_t keys, int64_t depth, const float* q,
                    int64_t ld_q, int64_t rows, float* st, int64_t ld_st);
   // acc[r][e] += sum_j p[j * ld_p + r] * value[j][e] for r < rows, e < width: value rows of

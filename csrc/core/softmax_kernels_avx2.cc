@@ -21,6 +21,28 @@ inline Vec InRange(Vec x, Vec r, Vec lo, Vec hi) {
   const __m256 in = _mm256_and_ps(_mm256_cmp_ps(lo, r, _CMP_LE_OQ), _mm256_cmp_ps(r, hi, _CMP_LT_OQ));
   return _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()), x, in);
 }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec LoadWiden(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec LoadWiden(const BFloat16Bits* p) {  // bf16 is the high half of an fp32
+  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+inline Vec LoadWiden(const Float16Bits* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+constexpr int64_t kAccumulatorRegisters = 8;  // of 16
+
+// Lane i of the result = the sum of v[i]'s 8 lanes: pairs interleaved and added within 128-bit
+// lanes (twice), then across the two (once), each vector summed in the same order.
+[[gnu::always_inline]] inline Vec SumLanes(const Vec* v) {
+  Vec a[4], b[2];
+  for (int i = 0; i < 4; ++i) {
+    a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 2; ++i) {
+    const __m256d lo = _mm256_castps_pd(a[2 * i]), hi = _mm256_castps_pd(a[2 * i + 1]);
+    b[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(lo, hi)), _mm256_castpd_ps(_mm256_unpackhi_pd(lo, hi)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
 
 // exp(x) = 2^n · e^r with n = round(x·log2 e) and |r| <= ln2/2; e^r by a degree-6 polynomial
 // (relative error ~2 ulp). Inputs below kExpFlushBelow (including -inf) give exactly 0.

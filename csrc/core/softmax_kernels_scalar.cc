@@ -18,6 +18,11 @@ inline Vec Mul(Vec a, Vec b) { return a * b; }
 inline Vec Max(Vec a, Vec b) { return std::max(a, b); }
 inline Vec InRange(Vec x, Vec r, Vec lo, Vec hi) { return lo <= r && r < hi ? x : -__builtin_inff(); }
 inline Vec Exp(Vec x) { return x < kExpFlushBelow ? 0.0f : std::exp(x); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return a * b + c; }
+template <typename T>
+inline Vec LoadWiden(const T* p) { return LoadAsFloat(p); }
+inline Vec SumLanes(const Vec* v) { return v[0]; }
+constexpr int64_t kAccumulatorRegisters = 8;
 
 inline void Transpose8x8(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
   for (int64_t l = 0; l < 8; ++l) {

@@ -416,8 +416,9 @@ struct SplitPartials {
 };
 
 struct ForwardScratch {
-  std::vector<float> q_panels, q_rows, k_panels, st, v_panels, acc, max, sum, sub, alpha, tile_max, out_rows;
-  std::vector<uint16_t> q_vnni, p_vnni, key_copy, p_rows, v_vnni;  // amx operands
+  std::vector<float> q_panels, q_rows, k_panels, st, st_heads, v_panels, acc, max, sum, sub, alpha, tile_max,
+      out_rows;
+  std::vector<uint16_t> q_vnni, p_vnni;  // amx operands
   RowMasks row_masks;
 };
 
@@ -455,35 +456,12 @@ void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, in
   }
 }
 
-// The row-tile path's operands of kv tile [s0, s0 + keys) for kv heads [kv_head, kv_head +
-// heads): per head, K's rows copied contiguous ([keys rounded up to 16][H], zero-padded) and
-// V's key pairs in VNNI panels ([depth = keys rounded up to 32]). Walked key by key across the
-// heads, so K and V are read in memory order (a key's heads are adjacent): read head by head in
-// place, rows a cache-set stride apart (2 KiB for 8 heads of 128) thrashed L1, and the tile
-// unit ran slower than the fp32 row path.
-void PackRowTiles(const DotProductAttentionParams& p, int64_t b, int64_t kv_head, int64_t heads, int64_t s0,
-                  int64_t keys, uint16_t* key_rows, int64_t key_stride, uint16_t* value_vnni, int64_t value_stride) {
-  const int64_t h_dim = p.k.sizes[3], v_dim = p.v.sizes[3];
-  const int64_t padded = RoundUp(keys, kAmxTileRows), depth = RoundUp(keys, kAmxTileDepth);
-  for (int64_t j = 0; j < padded; ++j) {
-    for (int64_t h = 0; h < heads; ++h) {
-      uint16_t* dst = key_rows + h * key_stride + j * h_dim;
-      if (j < keys) {
-        std::memcpy(dst, ElementAddress(p.k, b, s0 + j, kv_head + h, 0), h_dim * sizeof(uint16_t));
-      } else {
-        std::fill(dst, dst + h_dim, uint16_t{0});
-      }
-    }
-  }
-  auto value_row = [&](int64_t j, int64_t h) {
-    return j < keys ? static_cast<const uint16_t*>(ElementAddress(p.v, b, s0 + j, kv_head + h, 0)) : nullptr;
-  };
-  for (int64_t j = 0; j < depth; j += 2) {
-    for (int64_t h = 0; h < heads; ++h) {
-      AmxPackVnniPair(value_row(j, h), value_row(j + 1, h), j, depth, v_dim, value_vnni + h * value_stride);
-    }
-  }
-}
+// The row path walks a tile in runs of this many keys, every head of a run before the next
+// run: the rows of one key for all kv heads are adjacent, so K and V are read in memory order
+// (each page whole, once). Walking the tile head by head instead visits every page once per
+// head, rows a page apart, which neither the TLB nor the hardware prefetchers follow: that ran
+// at half the bandwidth.
+constexpr int64_t kRowRunKeys = 16;
 
 // The online softmax step of one tile for one head, before the exponentiation: the new
 // running max of each column, the factor alpha that rescales what was accumulated (the running
@@ -507,11 +485,9 @@ void UpdateRunningMax(const Kernels& k, const float* st, int64_t keys, int64_t c
 // head by head inside each tile: the rows of one key for all kv heads are adjacent in memory,
 // so each 4 KiB page of K and V is used whole while its TLB entry is hot.
 //
-// Four ways to make the two products:
-//  - the row path (key_dots, accumulate_values), K and V rows streamed in place;
-//  - `row_tiles` (the row path's shapes, bf16, amx tier): the tile unit on K and V in place,
-//    st = K·Qᵀ over the few rows padded to 16, acc[row][e] += P·V with P converted to bf16
-//    rows and V's key pairs interleaved into an L1 scratch per tile;
+// Three ways to make the two products:
+//  - the row path (key_dots, accumulate_values), K and V rows streamed in place, in runs of
+//    keys across the heads;
 //  - the fp32 micro-kernels (acc[row][e], P read in place as A);
 //  - `amx` (bf16 tiles from per-call K/Vᵀ copies): st = K·Qᵀ with Q in VNNI panels (unscaled,
 //    so exact, the scale applied to st), and the accumulator kept transposed, accᵀ[e][row] +=
@@ -523,21 +499,21 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
                  const KvTiles& k_tiles, const KvTiles& v_tiles, const AmxOperand* amx_k, const AmxOperand* amx_vt,
                  ForwardScratch& s) {
   const bool amx = amx_k != nullptr;
-  const bool row_tiles = row_dots && UseAmx(p, k);  // few rows, bf16: tiles over K and V in place
   const GemmKernels& gemm = *k.gemm;
   const int64_t mr = gemm.mr, nr = gemm.nr;
   const int64_t count = rows.count();
   const int64_t heads = head_end - rows.kv_head;
-  const int64_t cols = RoundUp(count, row_tiles ? kAmxTileRows : nr);  // st columns (query rows)
+  // st columns (query rows): the row path needs only whole softmax vectors (16 columns).
+  const int64_t cols = RoundUp(count, row_dots ? kAmxTileRows : nr);
   const int64_t row_panels = CeilDiv(count, mr); // of P and the accumulator
-  const int64_t ld_acc = amx ? cols : (row_tiles ? d.value_dim : RoundUp(d.value_dim, nr));
-  const int64_t acc_floats = amx || row_tiles ? d.value_dim * cols : row_panels * mr * ld_acc;
+  const int64_t ld_acc = amx ? cols : RoundUp(d.value_dim, nr);
+  const int64_t acc_floats = amx ? d.value_dim * cols : row_panels * mr * ld_acc;
   const int64_t block = config.block_kv;
-  // Per head: Q as fp32 panels or plain rows, or (amx, row_tiles) as bf16 VNNI panels.
+  // Per head: Q as fp32 panels or plain rows, or (amx) as bf16 VNNI panels.
   const int64_t q_floats = cols * d.head_dim;
 
-  float* q_panels = amx || row_tiles ? nullptr : Scratch(s.q_panels, heads * q_floats);
-  uint16_t* q_vnni = amx || row_tiles ? Scratch(s.q_vnni, heads * q_floats) : nullptr;
+  float* q_panels = amx ? nullptr : Scratch(s.q_panels, heads * q_floats);
+  uint16_t* q_vnni = amx ? Scratch(s.q_vnni, heads * q_floats) : nullptr;
   float* k_panels = Scratch(s.k_panels, k_tiles.tile_floats());
   const int64_t st_rows = std::max(RoundUp(block, mr), RoundUp(block, kAmxTileDepth));
   float* st = InPlaceTileScratch(s.st, st_rows, cols);  // P·V reads it in place
@@ -553,12 +529,7 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   std::fill(max, max + heads * cols, kNegInf);
   std::fill(sum, sum + heads * cols, 0.0f);
   std::unique_ptr<AmxTileScope> tiles;
-  if (amx || row_tiles) tiles.reset(new AmxTileScope());
-  const int64_t max_depth = RoundUp(block, kAmxTileDepth);
-  const int64_t key_stride = max_depth * d.head_dim, value_stride = max_depth * d.value_dim;  // per head
-  uint16_t* key_copy = row_tiles ? Scratch(s.key_copy, heads * key_stride) : nullptr;
-  uint16_t* v_vnni = row_tiles ? Scratch(s.v_vnni, heads * value_stride) : nullptr;
-  uint16_t* p_rows = row_tiles ? Scratch(s.p_rows, 2 * max_depth * cols) : nullptr;  // then P's tile
+  if (amx) tiles.reset(new AmxTileScope());
 
   // The masks' ranges and segments depend on positions only: one RowMasks serves every head.
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
@@ -566,7 +537,7 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   float* q_rows = row_dots || amx ? nullptr : Scratch(s.q_rows, count * d.head_dim);
   for (int64_t h = 0; h < heads; ++h) {
     head_rows.kv_head = rows.kv_head + h;
-    if (row_tiles || amx) {
+    if (amx) {
       PackRowsVnni(p.q, head_rows, cols, q_vnni + h * q_floats);
       continue;
     }
@@ -578,28 +549,40 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
       k.softmax->transpose_panels(q_rows, d.head_dim, count, d.head_dim, nr, q);
     }
   }
-  // key_dots writes only the task's columns; the softmax reads all of them.
-  if (row_dots) std::fill(st, st + st_rows * cols, 0.0f);
+  // The row path keeps every head's logits of a tile (K is read for all heads before the
+  // softmax). key_dots writes only the task's columns; the softmax reads all of them.
+  const int64_t st_floats = st_rows * cols;
+  float* st_heads = row_dots ? Scratch(s.st_heads, heads * st_floats) : nullptr;
+  if (row_dots) std::fill(st_heads, st_heads + heads * st_floats, 0.0f);
   for (int64_t s0 = kv_begin; s0 < kv_end; s0 += block) {
     const int64_t tile_keys = std::min(block, kv_end - s0);
     const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, rows.b, s0, s0 + tile_keys);
     if (visibility == TileVisibility::kNone) continue;
     const int64_t keys = ClippedKeys(s.row_masks, s0, tile_keys);
     if (visibility == TileVisibility::kPartial) SetTileRanges(s.row_masks, count, s0, keys);
-    if (row_tiles) PackRowTiles(p, rows.b, rows.kv_head, heads, s0, keys, key_copy, key_stride, v_vnni, value_stride);
+    // The row path: st of every head, run by run (kRowRunKeys).
+    auto for_runs = [&](auto&& run) {
+      for (int64_t j0 = 0; j0 < keys; j0 += kRowRunKeys) {
+        for (int64_t h = 0; h < heads; ++h) run(h, j0, std::min(kRowRunKeys, keys - j0));
+      }
+    };
+    if (row_dots) {
+      for_runs([&](int64_t h, int64_t j0, int64_t n) {
+        const void* key = ElementAddress(p.k, rows.b, s0 + j0, rows.kv_head + h, 0);
+        k.softmax->key_dots(p.k.dtype, key, p.k.strides[1], n, d.head_dim, q_panels + h * q_floats, d.head_dim,
+                            count, st_heads + h * st_floats + j0 * cols, cols);
+      });
+    }
     for (int64_t h = 0; h < heads; ++h) {
       head_rows.kv_head = rows.kv_head + h;
       const int64_t kv_head = head_rows.kv_head;
-      const float* q = amx || row_tiles ? nullptr : q_panels + h * q_floats;
-      const uint16_t* q_tiles = amx || row_tiles ? q_vnni + h * q_floats : nullptr;
+      const float* q = amx ? nullptr : q_panels + h * q_floats;
+      const uint16_t* q_tiles = amx ? q_vnni + h * q_floats : nullptr;
       float* head_acc = acc + h * acc_floats;
+      if (row_dots) st = st_heads + h * st_floats;
       // st = K_tile · (scale·Q)ᵀ, then the logits' epilogue and masks.
-      if (row_tiles) {
-        AmxGemmBf16(RoundUp(keys, kAmxTileRows), cols, d.head_dim, key_copy + h * key_stride, d.head_dim,
-                    q_tiles, st, cols, false, p.scale);
-      } else if (row_dots) {
-        k.softmax->key_dots(p.k.dtype, ElementAddress(p.k, rows.b, s0, kv_head, 0), p.k.strides[1], keys,
-                            d.head_dim, q, d.head_dim, count, st, cols);
+      if (row_dots) {
+        // made for every head above
       } else if (amx) {
         AmxGemmBf16(RoundUp(keys, kAmxTileRows), cols, d.head_dim, amx_k->At(rows.b, kv_head, s0), amx_k->ld(),
                     q_tiles, st, cols, false, p.scale);
@@ -611,19 +594,8 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
       // Online softmax; the amx path exponentiates while packing P (below).
       UpdateRunningMax(k, st, keys, cols, max + h * cols, sum + h * cols, alpha, sub, tile_max);
       if (!amx) k.softmax->exp_columns(st, keys, cols, cols, sub, sum + h * cols);
-      if (row_tiles) {
-        // acc = acc ∘ alpha + P · V_tile: P as bf16 rows (converted, then transposed), V's key
-        // pairs interleaved into VNNI panels from its rows in place.
-        k.softmax->scale_rows(head_acc, ld_acc, count, d.value_dim, alpha);
-        const int64_t depth = RoundUp(keys, kAmxTileDepth);
-        uint16_t* p_tile = p_rows + max_depth * cols;
-        AmxConvertRowsBf16(st, cols, keys, depth, cols, p_rows, cols);
-        AmxTransposeBf16(p_rows, cols, depth, cols, p_tile, depth);
-        AmxGemmBf16(cols, d.value_dim, depth, p_tile, depth, v_vnni + h * value_stride, head_acc, ld_acc, true, 1.0f);
-      } else if (row_dots) {
-        k.softmax->scale_rows(head_acc, ld_acc, count, d.value_dim, alpha);
-        k.softmax->accumulate_values(p.v.dtype, st, cols, keys, count, ElementAddress(p.v, rows.b, s0, kv_head, 0),
-                                     p.v.strides[1], d.value_dim, head_acc, ld_acc);
+      if (row_dots) {
+        k.softmax->scale_rows(head_acc, ld_acc, count, d.value_dim, alpha);  // P·V for every head below
       } else if (amx) {
         // accᵀ = accᵀ ∘ alpha + Vᵀ_tile · Pᵀ, with P = exp(st - sub) computed while its key pairs
         // are packed into VNNI panels (st itself is never written back).
@@ -639,6 +611,14 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
         TileGemm(gemm, keys, InPlaceA(st, cols, mr), row_panels, v_tiles.Tile(rows.b, kv_head, s0, keys, v_panels),
                  ld_acc / nr, head_acc, ld_acc, true);
       }
+    }
+    if (row_dots) {
+      for_runs([&](int64_t h, int64_t j0, int64_t n) {
+        const float* weights = st_heads + h * st_floats + j0 * cols;
+        const void* value = ElementAddress(p.v, rows.b, s0 + j0, rows.kv_head + h, 0);
+        k.softmax->accumulate_values(p.v.dtype, weights, cols, n, count, value, p.v.strides[1], d.value_dim,
+                                     acc + h * acc_floats, ld_acc);
+      });
     }
   }
   // The amx accumulator is transposed: back to rows (one register transpose per head).

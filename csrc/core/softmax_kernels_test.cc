@@ -1,0 +1,102 @@
+// The decode path's row products (key_dots, accumulate_values) on every tier, against float64
+// sums of the same (exactly representable) inputs: every row count the kernels specialise, head
+// dims with and without vector tails, key counts that leave partial groups, strided rows.
+#include "csrc/core/softmax_kernels.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "csrc/core/test_util.h"
+
+namespace tokamax {
+namespace {
+
+using testing::Buffer;
+
+class RowDotsTest : public ::testing::TestWithParam<std::tuple<Isa, DType>> {};
+
+TEST_P(RowDotsTest, KeyDotsAndAccumulateValuesMatchFloat64) {
+  const auto [isa, dtype] = GetParam();
+  if (!IsaSupported(isa, GetCpuInfo())) GTEST_SKIP() << IsaName(isa) << " not supported here";
+  const SoftmaxKernels& kernels = GetSoftmaxKernels(isa);
+  for (int64_t rows = 1; rows <= kMaxRowDotRows; ++rows) {
+    for (int64_t depth : {1, 7, 16, 40, 128, 130}) {
+      for (int64_t keys : {1, 5, 16, 19}) {
+        SCOPED_TRACE("rows " + std::to_string(rows) + " depth " + std::to_string(depth) + " keys " +
+                     std::to_string(keys));
+        const int64_t ld_key = depth + 3, ld_st = 16, ld_acc = depth + 5;  // strided rows
+        Buffer key(dtype, keys * ld_key, /*misalign=*/1);
+        testing::FillRandom(key, keys * ld_key, 11 + rows);
+        std::vector<float> q(rows * depth), p(keys * ld_st);
+        for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37 * i) * 0.5f;
+        for (size_t i = 0; i < p.size(); ++i) p[i] = 0.25f + std::cos(0.11 * i) * 0.25f;
+        // Poisoned where the kernels must not write: columns past `rows`, rows past `keys`.
+        std::vector<float> st((keys + 1) * ld_st, std::nanf(""));
+        kernels.key_dots(dtype, key.data(), ld_key, keys, depth, q.data(), depth, rows, st.data(), ld_st);
+        std::vector<float> acc(rows * ld_acc, 0.5f);
+        kernels.accumulate_values(dtype, p.data(), ld_st, keys, rows, key.data(), ld_key, depth, acc.data(), ld_acc);
+        double dot_error = 0.0, acc_error = 0.0;
+        for (int64_t j = 0; j < keys; ++j) {
+          for (int64_t r = 0; r < rows; ++r) {
+            double want = 0.0;
+            for (int64_t h = 0; h < depth; ++h) want += double{key.Get(j * ld_key + h)} * q[r * depth + h];
+            dot_error = std::max(dot_error, std::abs(want - st[j * ld_st + r]));
+          }
+          for (int64_t r = rows; r < ld_st; ++r) EXPECT_TRUE(std::isnan(st[j * ld_st + r]));
+        }
+        for (int64_t r = 0; r < ld_st; ++r) EXPECT_TRUE(std::isnan(st[keys * ld_st + r]));
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t e = 0; e < ld_acc; ++e) {
+            if (e >= depth) {
+              EXPECT_EQ(acc[r * ld_acc + e], 0.5f);  // past the width: untouched
+              continue;
+            }
+            double want = 0.5;
+            for (int64_t j = 0; j < keys; ++j) want += double{p[j * ld_st + r]} * key.Get(j * ld_key + e);
+            acc_error = std::max(acc_error, std::abs(want - acc[r * ld_acc + e]));
+          }
+        }
+        EXPECT_LT(dot_error, 1e-5 * depth);
+        EXPECT_LT(acc_error, 1e-5 * keys);
+      }
+    }
+  }
+}
+
+TEST_P(RowDotsTest, DotsDoNotDependOnHowKeysAreGrouped) {
+  // The decode path calls key_dots on runs of keys: a key's logit must be the same bits
+  // whether it is computed in a group, alone, or at a different offset.
+  const auto [isa, dtype] = GetParam();
+  if (!IsaSupported(isa, GetCpuInfo())) GTEST_SKIP() << IsaName(isa) << " not supported here";
+  const SoftmaxKernels& kernels = GetSoftmaxKernels(isa);
+  const int64_t keys = 21, depth = 72, rows = 4, ld_st = 16;
+  Buffer key(dtype, keys * depth);
+  testing::FillRandom(key, keys * depth, 3);
+  std::vector<float> q(rows * depth);
+  for (size_t i = 0; i < q.size(); ++i) q[i] = std::cos(0.23 * i);
+  std::vector<float> whole(keys * ld_st, 0.0f), pieces(keys * ld_st, 0.0f);
+  kernels.key_dots(dtype, key.data(), depth, keys, depth, q.data(), depth, rows, whole.data(), ld_st);
+  const auto* bytes = static_cast<const uint8_t*>(key.data());
+  for (int64_t j0 = 0; j0 < keys; j0 += 3) {
+    const int64_t n = std::min<int64_t>(3, keys - j0);
+    kernels.key_dots(dtype, bytes + j0 * depth * DTypeSize(dtype), depth, n, depth, q.data(), depth, rows,
+                     pieces.data() + j0 * ld_st, ld_st);
+  }
+  EXPECT_EQ(whole, pieces);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllTiers, RowDotsTest,
+    ::testing::Combine(::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx),
+                       ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16)),
+    [](const auto& info) {
+      return std::string(IsaName(std::get<0>(info.param))) + "_" + DTypeName(std::get<1>(info.param));
+    });
+
+}  // namespace
+}  // namespace tokamax
