@@ -1,6 +1,7 @@
 // The scalar tier of SoftmaxKernels: one float per "vector", std::exp.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "csrc/core/softmax_kernels.h"
 
