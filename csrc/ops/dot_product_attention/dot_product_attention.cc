@@ -416,8 +416,7 @@ struct SplitPartials {
 };
 
 struct ForwardScratch {
-  std::vector<float> q_panels, q_rows, k_panels, st, st_heads, v_panels, acc, max, sum, sub, alpha, tile_max,
-      out_rows;
+  std::vector<float> q_panels, q_rows, k_panels, st, v_panels, acc, max, sum, sub, alpha, tile_max, out_rows;
   std::vector<uint16_t> q_vnni, p_vnni;  // amx operands
   RowMasks row_masks;
 };
@@ -456,6 +455,19 @@ void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, in
   }
 }
 
+// One finished row of a task: to the output (and logsumexp), or to its split's partials.
+void FinishRow(const DotProductAttentionParams& p, const Dims& d, int64_t b, int64_t t, int64_t n,
+               const float* row_acc, float row_max, float row_sum, int64_t split, SplitPartials* partials) {
+  if (partials == nullptr) {
+    StoreOutputRow(p, b, t, n, row_acc, row_sum, row_max);
+    return;
+  }
+  const int64_t row = partials->Row(d, split, b, n, t);
+  std::memcpy(partials->out.data() + row * d.value_dim, row_acc, d.value_dim * sizeof(float));
+  partials->max[row] = row_max;
+  partials->sum[row] = row_sum;
+}
+
 // The row path walks a tile in runs of this many keys, every head of a run before the next
 // run: the rows of one key for all kv heads are adjacent, so K and V are read in memory order
 // (each page whole, once). Walking the tile head by head instead visits every page once per
@@ -480,171 +492,163 @@ void UpdateRunningMax(const Kernels& k, const float* st, int64_t keys, int64_t c
   }
 }
 
-// One task: query block `rows` against keys [kv_begin, kv_end) for kv heads [rows.kv_head,
-// head_end). GEMM tasks own one kv head. Row-path tasks own all of them and walk the tiles
-// head by head inside each tile: the rows of one key for all kv heads are adjacent in memory,
-// so each 4 KiB page of K and V is used whole while its TLB entry is hot.
-//
-// Three ways to make the two products:
-//  - the row path (key_dots, accumulate_values), K and V rows streamed in place, in runs of
-//    keys across the heads;
-//  - the fp32 micro-kernels (acc[row][e], P read in place as A);
-//  - `amx` (bf16 tiles from per-call K/Vᵀ copies): st = K·Qᵀ with Q in VNNI panels (unscaled,
-//    so exact, the scale applied to st), and the accumulator kept transposed, accᵀ[e][row] +=
-//    Vᵀ·Pᵀ, so P needs no transpose, only its key pairs rounded to bf16 (as flash attention
-//    does on GPUs).
-void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernels& k,
-                 const DotProductAttentionConfig& config, const TaskRows& rows, int64_t head_end, bool row_dots,
-                 int64_t kv_begin, int64_t kv_end, int64_t split, SplitPartials* partials,
-                 const KvTiles& k_tiles, const KvTiles& v_tiles, const AmxOperand* amx_k, const AmxOperand* amx_vt,
-                 ForwardScratch& s) {
-  const bool amx = amx_k != nullptr;
-  const GemmKernels& gemm = *k.gemm;
-  const int64_t mr = gemm.mr, nr = gemm.nr;
-  const int64_t count = rows.count();
-  const int64_t heads = head_end - rows.kv_head;
-  // st columns (query rows): the row path needs only whole softmax vectors (16 columns).
-  const int64_t cols = RoundUp(count, row_dots ? kAmxTileRows : nr);
-  const int64_t row_panels = CeilDiv(count, mr); // of P and the accumulator
-  const int64_t ld_acc = amx ? cols : RoundUp(d.value_dim, nr);
-  const int64_t acc_floats = amx ? d.value_dim * cols : row_panels * mr * ld_acc;
-  const int64_t block = config.block_kv;
-  // Per head: Q as fp32 panels or plain rows, or (amx) as bf16 VNNI panels.
-  const int64_t q_floats = cols * d.head_dim;
-
-  float* q_panels = amx ? nullptr : Scratch(s.q_panels, heads * q_floats);
-  uint16_t* q_vnni = amx ? Scratch(s.q_vnni, heads * q_floats) : nullptr;
-  float* k_panels = Scratch(s.k_panels, k_tiles.tile_floats());
-  const int64_t st_rows = std::max(RoundUp(block, mr), RoundUp(block, kAmxTileDepth));
-  float* st = InPlaceTileScratch(s.st, st_rows, cols);  // P·V reads it in place
-  float* v_panels = Scratch(s.v_panels, v_tiles.tile_floats());
-  uint16_t* p_vnni = amx ? Scratch(s.p_vnni, st_rows * cols) : nullptr;
-  float* acc = Scratch(s.acc, heads * acc_floats);
-  float* max = Scratch(s.max, heads * cols);
-  float* sum = Scratch(s.sum, heads * cols);
+// A row-path task (UseRowDots): keys [kv_begin, kv_end) of one batch for every kv head. Its
+// rows are the task's positions times all N query heads, r = position · N + n (TaskRows over kv
+// head 0 with group N), so the logits' epilogue, masks and online softmax run once per tile for
+// every head, vectorized across N columns with no padding between heads; the two products run
+// per (kv head, position) on that head's `group` adjacent columns, K and V rows streamed in
+// place in runs of kRowRunKeys keys across the heads.
+void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Kernels& k,
+                    const DotProductAttentionConfig& config, const TaskRows& task, int64_t kv_begin, int64_t kv_end,
+                    int64_t split, SplitPartials* partials, ForwardScratch& s) {
+  TaskRows rows = task;
+  rows.kv_head = 0;
+  rows.group = d.q_heads;
+  const int64_t count = rows.count(), cols = RoundUp(count, 16), block = config.block_kv;
+  const int64_t head_dim = d.head_dim, value_dim = d.value_dim;
+  float* q = Scratch(s.q_rows, count * head_dim);  // row r: scale · q[t(r), n(r)]
+  GatherRows(p.q, rows, head_dim, p.scale, q, head_dim);
+  float* st = Scratch(s.st, block * cols);
+  float* acc = Scratch(s.acc, count * value_dim);
+  float* max = Scratch(s.max, cols);
+  float* sum = Scratch(s.sum, cols);
   float* sub = Scratch(s.sub, cols);
   float* alpha = Scratch(s.alpha, cols);
   float* tile_max = Scratch(s.tile_max, cols);
-  std::fill(acc, acc + heads * acc_floats, 0.0f);
-  std::fill(max, max + heads * cols, kNegInf);
-  std::fill(sum, sum + heads * cols, 0.0f);
-  std::unique_ptr<AmxTileScope> tiles;
-  if (amx) tiles.reset(new AmxTileScope());
-
-  // The masks' ranges and segments depend on positions only: one RowMasks serves every head.
+  // key_dots writes the real columns only; the softmax reads all of them, so the padding
+  // columns start finite (and stay so: exp of finite values).
+  std::fill(st, st + block * cols, 0.0f);
+  std::fill(acc, acc + count * value_dim, 0.0f);
+  std::fill(max, max + cols, kNegInf);
+  std::fill(sum, sum + cols, 0.0f);
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
-  TaskRows head_rows = rows;
-  float* q_rows = row_dots || amx ? nullptr : Scratch(s.q_rows, count * d.head_dim);
-  for (int64_t h = 0; h < heads; ++h) {
-    head_rows.kv_head = rows.kv_head + h;
-    if (amx) {
-      PackRowsVnni(p.q, head_rows, cols, q_vnni + h * q_floats);
-      continue;
-    }
-    float* q = q_panels + h * q_floats;
-    if (row_dots) {
-      GatherRows(p.q, head_rows, d.head_dim, p.scale, q, d.head_dim);
-    } else {
-      GatherRows(p.q, head_rows, d.head_dim, p.scale, q_rows, d.head_dim);
-      k.softmax->transpose_panels(q_rows, d.head_dim, count, d.head_dim, nr, q);
-    }
-  }
-  // The row path keeps every head's logits of a tile (K is read for all heads before the
-  // softmax). key_dots writes only the task's columns; the softmax reads all of them.
-  const int64_t st_floats = st_rows * cols;
-  float* st_heads = row_dots ? Scratch(s.st_heads, heads * st_floats) : nullptr;
-  if (row_dots) std::fill(st_heads, st_heads + heads * st_floats, 0.0f);
   for (int64_t s0 = kv_begin; s0 < kv_end; s0 += block) {
     const int64_t tile_keys = std::min(block, kv_end - s0);
     const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, rows.b, s0, s0 + tile_keys);
     if (visibility == TileVisibility::kNone) continue;
     const int64_t keys = ClippedKeys(s.row_masks, s0, tile_keys);
     if (visibility == TileVisibility::kPartial) SetTileRanges(s.row_masks, count, s0, keys);
-    // The row path: st of every head, run by run (kRowRunKeys).
+    // run(h, first row of (kv head h, position), j0, keys of the run), in memory order.
     auto for_runs = [&](auto&& run) {
       for (int64_t j0 = 0; j0 < keys; j0 += kRowRunKeys) {
-        for (int64_t h = 0; h < heads; ++h) run(h, j0, std::min(kRowRunKeys, keys - j0));
+        for (int64_t h = 0; h < d.kv_heads; ++h) {
+          for (int64_t pos = 0; pos < rows.positions; ++pos) {
+            run(h, pos * d.q_heads + h * d.group, j0, std::min(kRowRunKeys, keys - j0));
+          }
+        }
       }
     };
-    if (row_dots) {
-      for_runs([&](int64_t h, int64_t j0, int64_t n) {
-        const void* key = ElementAddress(p.k, rows.b, s0 + j0, rows.kv_head + h, 0);
-        k.softmax->key_dots(p.k.dtype, key, p.k.strides[1], n, d.head_dim, q_panels + h * q_floats, d.head_dim,
-                            count, st_heads + h * st_floats + j0 * cols, cols);
-      });
+    for_runs([&](int64_t h, int64_t r0, int64_t j0, int64_t n) {
+      k.softmax->key_dots(p.k.dtype, ElementAddress(p.k, rows.b, s0 + j0, h, 0), p.k.strides[1], n, head_dim,
+                          q + r0 * head_dim, head_dim, d.group, st + j0 * cols + r0, cols);
+    });
+    FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, cols, nullptr);
+    UpdateRunningMax(k, st, keys, cols, max, sum, alpha, sub, tile_max);
+    k.softmax->exp_columns(st, keys, cols, cols, sub, sum);
+    k.softmax->scale_rows(acc, value_dim, count, value_dim, alpha);
+    for_runs([&](int64_t h, int64_t r0, int64_t j0, int64_t n) {
+      k.softmax->accumulate_values(p.v.dtype, st + j0 * cols + r0, cols, n, d.group,
+                                   ElementAddress(p.v, rows.b, s0 + j0, h, 0), p.v.strides[1], value_dim,
+                                   acc + r0 * value_dim, value_dim);
+    });
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    FinishRow(p, d, rows.b, rows.t(r), rows.n(r), acc + r * value_dim, max[r], sum[r], split, partials);
+  }
+}
+
+// A GEMM task: query block `rows` of one kv head against keys [kv_begin, kv_end), in tiles of
+// block_kv keys, two ways:
+//  - the fp32 micro-kernels (acc[row][e], P read in place as A);
+//  - `amx` (bf16 tiles from per-call K/Vᵀ copies): st = K·Qᵀ with Q in VNNI panels (unscaled,
+//    so exact, the scale applied to st), and the accumulator kept transposed, accᵀ[e][row] +=
+//    Vᵀ·Pᵀ, so P needs no transpose, only its key pairs rounded to bf16 (as flash attention
+//    does on GPUs).
+void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernels& k,
+                 const DotProductAttentionConfig& config, const TaskRows& rows, int64_t kv_begin, int64_t kv_end,
+                 int64_t split, SplitPartials* partials, const KvTiles& k_tiles, const KvTiles& v_tiles,
+                 const AmxOperand* amx_k, const AmxOperand* amx_vt, ForwardScratch& s) {
+  const bool amx = amx_k != nullptr;
+  const GemmKernels& gemm = *k.gemm;
+  const int64_t mr = gemm.mr, nr = gemm.nr;
+  const int64_t count = rows.count(), kv_head = rows.kv_head;
+  const int64_t cols = RoundUp(count, nr);  // st columns (query rows)
+  const int64_t row_panels = CeilDiv(count, mr); // of P and the accumulator
+  const int64_t ld_acc = amx ? cols : RoundUp(d.value_dim, nr);
+  const int64_t acc_floats = amx ? d.value_dim * cols : row_panels * mr * ld_acc;
+  const int64_t block = config.block_kv;
+  const int64_t q_floats = cols * d.head_dim;  // Q as fp32 panels, or (amx) bf16 VNNI panels
+
+  float* q_panels = amx ? nullptr : Scratch(s.q_panels, q_floats);
+  uint16_t* q_vnni = amx ? Scratch(s.q_vnni, q_floats) : nullptr;
+  float* k_panels = Scratch(s.k_panels, k_tiles.tile_floats());
+  const int64_t st_rows = std::max(RoundUp(block, mr), RoundUp(block, kAmxTileDepth));
+  float* st = InPlaceTileScratch(s.st, st_rows, cols);  // P·V reads it in place
+  float* v_panels = Scratch(s.v_panels, v_tiles.tile_floats());
+  uint16_t* p_vnni = amx ? Scratch(s.p_vnni, st_rows * cols) : nullptr;
+  float* acc = Scratch(s.acc, acc_floats);
+  float* max = Scratch(s.max, cols);
+  float* sum = Scratch(s.sum, cols);
+  float* sub = Scratch(s.sub, cols);
+  float* alpha = Scratch(s.alpha, cols);
+  float* tile_max = Scratch(s.tile_max, cols);
+  std::fill(acc, acc + acc_floats, 0.0f);
+  std::fill(max, max + cols, kNegInf);
+  std::fill(sum, sum + cols, 0.0f);
+  std::unique_ptr<AmxTileScope> tiles;
+  if (amx) {
+    tiles.reset(new AmxTileScope());
+    PackRowsVnni(p.q, rows, cols, q_vnni);
+  } else {
+    float* q_rows = Scratch(s.q_rows, count * d.head_dim);
+    GatherRows(p.q, rows, d.head_dim, p.scale, q_rows, d.head_dim);
+    k.softmax->transpose_panels(q_rows, d.head_dim, count, d.head_dim, nr, q_panels);
+  }
+  ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
+  for (int64_t s0 = kv_begin; s0 < kv_end; s0 += block) {
+    const int64_t tile_keys = std::min(block, kv_end - s0);
+    const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, rows.b, s0, s0 + tile_keys);
+    if (visibility == TileVisibility::kNone) continue;
+    const int64_t keys = ClippedKeys(s.row_masks, s0, tile_keys);
+    if (visibility == TileVisibility::kPartial) SetTileRanges(s.row_masks, count, s0, keys);
+    // st = K_tile · (scale·Q)ᵀ, then the logits' epilogue and masks.
+    if (amx) {
+      AmxGemmBf16(RoundUp(keys, kAmxTileRows), cols, d.head_dim, amx_k->At(rows.b, kv_head, s0), amx_k->ld(),
+                  q_vnni, st, cols, false, p.scale);
+    } else {
+      TileGemm(gemm, d.head_dim, k_tiles.Tile(rows.b, kv_head, s0, keys, k_panels), CeilDiv(keys, mr),
+               PackedB(q_panels, d.head_dim, nr), cols / nr, st, cols, false);
     }
-    for (int64_t h = 0; h < heads; ++h) {
-      head_rows.kv_head = rows.kv_head + h;
-      const int64_t kv_head = head_rows.kv_head;
-      const float* q = amx ? nullptr : q_panels + h * q_floats;
-      const uint16_t* q_tiles = amx ? q_vnni + h * q_floats : nullptr;
-      float* head_acc = acc + h * acc_floats;
-      if (row_dots) st = st_heads + h * st_floats;
-      // st = K_tile · (scale·Q)ᵀ, then the logits' epilogue and masks.
-      if (row_dots) {
-        // made for every head above
-      } else if (amx) {
-        AmxGemmBf16(RoundUp(keys, kAmxTileRows), cols, d.head_dim, amx_k->At(rows.b, kv_head, s0), amx_k->ld(),
-                    q_tiles, st, cols, false, p.scale);
-      } else {
-        TileGemm(gemm, d.head_dim, k_tiles.Tile(rows.b, kv_head, s0, keys, k_panels), CeilDiv(keys, mr),
-                 PackedB(q, d.head_dim, nr), cols / nr, st, cols, false);
-      }
-      FinishLogits(p, k, head_rows, s.row_masks, s0, keys, visibility, st, cols, nullptr);
-      // Online softmax; the amx path exponentiates while packing P (below).
-      UpdateRunningMax(k, st, keys, cols, max + h * cols, sum + h * cols, alpha, sub, tile_max);
-      if (!amx) k.softmax->exp_columns(st, keys, cols, cols, sub, sum + h * cols);
-      if (row_dots) {
-        k.softmax->scale_rows(head_acc, ld_acc, count, d.value_dim, alpha);  // P·V for every head below
-      } else if (amx) {
-        // accᵀ = accᵀ ∘ alpha + Vᵀ_tile · Pᵀ, with P = exp(st - sub) computed while its key pairs
-        // are packed into VNNI panels (st itself is never written back).
-        k.softmax->scale_columns(head_acc, ld_acc, d.value_dim, cols, alpha);
-        const int64_t depth = RoundUp(keys, kAmxTileDepth);
-        AmxExpPackVnni(st, cols, keys, depth, cols, sub, sum + h * cols, p_vnni);
-        AmxGemmBf16(d.value_dim, cols, depth, amx_vt->At(rows.b, kv_head, s0), amx_vt->ld(), p_vnni,
-                    head_acc, ld_acc, true, 1.0f);
-      } else {
-        // acc = acc ∘ alpha + P · V_tile, with P = stᵀ read in place: at each key, a panel's mr
-        // rows are adjacent.
-        k.softmax->scale_rows(head_acc, ld_acc, count, d.value_dim, alpha);
-        TileGemm(gemm, keys, InPlaceA(st, cols, mr), row_panels, v_tiles.Tile(rows.b, kv_head, s0, keys, v_panels),
-                 ld_acc / nr, head_acc, ld_acc, true);
-      }
-    }
-    if (row_dots) {
-      for_runs([&](int64_t h, int64_t j0, int64_t n) {
-        const float* weights = st_heads + h * st_floats + j0 * cols;
-        const void* value = ElementAddress(p.v, rows.b, s0 + j0, rows.kv_head + h, 0);
-        k.softmax->accumulate_values(p.v.dtype, weights, cols, n, count, value, p.v.strides[1], d.value_dim,
-                                     acc + h * acc_floats, ld_acc);
-      });
+    FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, cols, nullptr);
+    UpdateRunningMax(k, st, keys, cols, max, sum, alpha, sub, tile_max);
+    if (amx) {
+      // accᵀ = accᵀ ∘ alpha + Vᵀ_tile · Pᵀ, with P = exp(st - sub) computed while its key pairs
+      // are packed into VNNI panels (st itself is never written back).
+      k.softmax->scale_columns(acc, ld_acc, d.value_dim, cols, alpha);
+      const int64_t depth = RoundUp(keys, kAmxTileDepth);
+      AmxExpPackVnni(st, cols, keys, depth, cols, sub, sum, p_vnni);
+      AmxGemmBf16(d.value_dim, cols, depth, amx_vt->At(rows.b, kv_head, s0), amx_vt->ld(), p_vnni, acc, ld_acc,
+                  true, 1.0f);
+    } else {
+      // acc = acc ∘ alpha + P · V_tile, with P = stᵀ read in place: at each key, a panel's mr
+      // rows are adjacent.
+      k.softmax->exp_columns(st, keys, cols, cols, sub, sum);
+      k.softmax->scale_rows(acc, ld_acc, count, d.value_dim, alpha);
+      TileGemm(gemm, keys, InPlaceA(st, cols, mr), row_panels, v_tiles.Tile(rows.b, kv_head, s0, keys, v_panels),
+               ld_acc / nr, acc, ld_acc, true);
     }
   }
-  // The amx accumulator is transposed: back to rows (one register transpose per head).
-  float* out_rows = amx ? Scratch(s.out_rows, count * d.value_dim) : nullptr;
-  for (int64_t h = 0; h < heads; ++h) {
-    head_rows.kv_head = rows.kv_head + h;
-    const float* head_acc = acc + h * acc_floats;
-    int64_t ld_rows = ld_acc;
-    if (amx) {
-      k.softmax->transpose_panels(head_acc, ld_acc, d.value_dim, count, d.value_dim, out_rows);
-      head_acc = out_rows;
-      ld_rows = d.value_dim;
-    }
-    for (int64_t r = 0; r < count; ++r) {
-      const int64_t t = head_rows.t(r), n = head_rows.n(r);
-      const float* row_acc = head_acc + r * ld_rows;
-      const float row_max = max[h * cols + r], row_sum = sum[h * cols + r];
-      if (partials == nullptr) {
-        StoreOutputRow(p, rows.b, t, n, row_acc, row_sum, row_max);
-        continue;
-      }
-      const int64_t row = partials->Row(d, split, rows.b, n, t);
-      std::memcpy(partials->out.data() + row * d.value_dim, row_acc, d.value_dim * sizeof(float));
-      partials->max[row] = row_max;
-      partials->sum[row] = row_sum;
-    }
+  // The amx accumulator is transposed: back to rows (one register transpose).
+  const float* out = acc;
+  int64_t ld_out = ld_acc;
+  if (amx) {
+    float* out_rows = Scratch(s.out_rows, count * d.value_dim);
+    k.softmax->transpose_panels(acc, ld_acc, d.value_dim, count, d.value_dim, out_rows);
+    out = out_rows;
+    ld_out = d.value_dim;
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    FinishRow(p, d, rows.b, rows.t(r), rows.n(r), out + r * ld_out, max[r], sum[r], split, partials);
   }
 }
 
@@ -922,8 +926,13 @@ Status DotProductAttention(const DotProductAttentionParams& p, const DotProductA
       rows.positions = std::min(config.block_q, d.q_len - rows.t0);
       const int64_t kv_begin = (kv_blocks * split / splits) * config.block_kv;
       const int64_t kv_end = std::min(d.kv_len, (kv_blocks * (split + 1) / splits) * config.block_kv);
-      ForwardTask(p, d, k, config, rows, kv_head + task_heads, row_dots, kv_begin, kv_end, split,
-                  splits > 1 ? &partials : nullptr, k_tiles, v_tiles, amx_k.get(), amx_vt.get(), scratch);
+      SplitPartials* task_partials = splits > 1 ? &partials : nullptr;
+      if (row_dots) {
+        ForwardRowTask(p, d, k, config, rows, kv_begin, kv_end, split, task_partials, scratch);
+      } else {
+        ForwardTask(p, d, k, config, rows, kv_begin, kv_end, split, task_partials, k_tiles, v_tiles, amx_k.get(),
+                    amx_vt.get(), scratch);
+      }
     }
   });
   if (splits > 1) {
