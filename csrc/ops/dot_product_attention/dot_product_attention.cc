@@ -1,9 +1,11 @@
 // The dot_product_attention CPU kernels: flash attention forward (online softmax over kv tiles)
 // and FlashAttention-2 backward (probabilities recomputed from the saved logsumexp).
 //
-// A task owns one kv head of one batch and a block of query positions; its tile rows are the
-// (position, query head) pairs of that block for all N/K query heads that share the kv head, so
-// each K/V tile is packed once per group (GQA without repeating K/V). Logits are kept
+// A GEMM task owns one kv head of one batch and a block of query positions; its tile rows are
+// the (position, query head) pairs of that block for all N/K query heads that share the kv
+// head, so each K/V tile is packed once per group (GQA without repeating K/V). Decode-sized
+// calls take the row path instead (ForwardRowTask): one task per key range for every head,
+// dot products on K and V rows in place. Logits are kept
 // transposed, st[key][row]: the GEMM st = K · (scale·Q)ᵀ takes K as its packed A operand (the
 // natural layout of a [S, H] view) and Q, packed once per task, as B; per-row softmax
 // reductions then run down columns. Tiles that every causal/window/length/segment mask hides
@@ -475,7 +477,7 @@ void FinishRow(const DotProductAttentionParams& p, const Dims& d, int64_t b, int
 // at half the bandwidth.
 constexpr int64_t kRowRunKeys = 16;
 
-// The online softmax step of one tile for one head, before the exponentiation: the new
+// The online softmax step of one tile, before the exponentiation: the new
 // running max of each column, the factor alpha that rescales what was accumulated (the running
 // sums rescaled here), and `sub`, what the tile's logits are shifted by before exp.
 void UpdateRunningMax(const Kernels& k, const float* st, int64_t keys, int64_t cols, float* max, float* sum,
