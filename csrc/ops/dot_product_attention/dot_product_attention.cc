@@ -356,6 +356,22 @@ TileVisibility ClassifyTile(const AttentionMasks& m, const RowMasks& rm, int64_t
   return all && !attention::HasElementMasks(m) ? TileVisibility::kFull : TileVisibility::kPartial;
 }
 
+// Kv tile [s0, s1) as a task's rows see it: its visibility and the keys to compute (clipped to
+// the last one some row sees; none when the tile is skipped). Partial tiles get their per-row
+// ranges set for the masks.
+struct VisibleTile {
+  TileVisibility visibility;
+  int64_t keys;
+};
+
+VisibleTile PrepareTile(const AttentionMasks& m, RowMasks& rm, int64_t b, int64_t count, int64_t s0, int64_t s1) {
+  const TileVisibility visibility = ClassifyTile(m, rm, b, s0, s1);
+  if (visibility == TileVisibility::kNone) return {visibility, 0};
+  const int64_t keys = ClippedKeys(rm, s0, s1 - s0);
+  if (visibility == TileVisibility::kPartial) SetTileRanges(rm, count, s0, keys);
+  return {visibility, keys};
+}
+
 struct Kernels {
   const GemmKernels* gemm;
   const SoftmaxKernels* softmax;
@@ -525,11 +541,10 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
   std::fill(sum, sum + cols, 0.0f);
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
   for (int64_t s0 = kv_begin; s0 < kv_end; s0 += block) {
-    const int64_t tile_keys = std::min(block, kv_end - s0);
-    const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, rows.b, s0, s0 + tile_keys);
-    if (visibility == TileVisibility::kNone) continue;
-    const int64_t keys = ClippedKeys(s.row_masks, s0, tile_keys);
-    if (visibility == TileVisibility::kPartial) SetTileRanges(s.row_masks, count, s0, keys);
+    const VisibleTile tile = PrepareTile(p.masks, s.row_masks, rows.b, count, s0, std::min(s0 + block, kv_end));
+    if (tile.visibility == TileVisibility::kNone) continue;
+    const TileVisibility visibility = tile.visibility;
+    const int64_t keys = tile.keys;
     // run(h, first row of (kv head h, position), j0, keys of the run), in memory order.
     auto for_runs = [&](auto&& run) {
       for (int64_t j0 = 0; j0 < keys; j0 += kRowRunKeys) {
@@ -608,11 +623,10 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   }
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
   for (int64_t s0 = kv_begin; s0 < kv_end; s0 += block) {
-    const int64_t tile_keys = std::min(block, kv_end - s0);
-    const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, rows.b, s0, s0 + tile_keys);
-    if (visibility == TileVisibility::kNone) continue;
-    const int64_t keys = ClippedKeys(s.row_masks, s0, tile_keys);
-    if (visibility == TileVisibility::kPartial) SetTileRanges(s.row_masks, count, s0, keys);
+    const VisibleTile tile = PrepareTile(p.masks, s.row_masks, rows.b, count, s0, std::min(s0 + block, kv_end));
+    if (tile.visibility == TileVisibility::kNone) continue;
+    const TileVisibility visibility = tile.visibility;
+    const int64_t keys = tile.keys;
     // st = K_tile · (scale·Q)ᵀ, then the logits' epilogue and masks.
     if (amx) {
       AmxGemmBf16(RoundUp(keys, kAmxTileRows), cols, d.head_dim, amx_k->At(rows.b, kv_head, s0), amx_k->ld(),
@@ -795,11 +809,10 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
       }
     }
     for (int64_t s0 = 0; any_visible && s0 < d.kv_len; s0 += block) {
-      const int64_t tile_keys = std::min(block, d.kv_len - s0);
-      const TileVisibility visibility = ClassifyTile(p.masks, s.row_masks, b, s0, s0 + tile_keys);
-      if (visibility == TileVisibility::kNone) continue;
-      const int64_t keys = ClippedKeys(s.row_masks, s0, tile_keys);
-      if (visibility == TileVisibility::kPartial) SetTileRanges(s.row_masks, count, s0, keys);
+      const VisibleTile tile = PrepareTile(p.masks, s.row_masks, b, count, s0, std::min(s0 + block, d.kv_len));
+      if (tile.visibility == TileVisibility::kNone) continue;
+      const TileVisibility visibility = tile.visibility;
+      const int64_t keys = tile.keys;
       const int64_t key_panels = CeilDiv(keys, mr);
       const int64_t key_tiles = RoundUp(keys, kAmxTileRows);  // amx: rows of the key-major products
       // P = exp(logits - lse), recomputed.
