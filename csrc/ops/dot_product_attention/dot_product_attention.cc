@@ -356,20 +356,20 @@ TileVisibility ClassifyTile(const AttentionMasks& m, const RowMasks& rm, int64_t
   return all && !attention::HasElementMasks(m) ? TileVisibility::kFull : TileVisibility::kPartial;
 }
 
-// Kv tile [s0, s1) as a task's rows see it: its visibility and the keys to compute (clipped to
-// the last one some row sees; none when the tile is skipped). Partial tiles get their per-row
-// ranges set for the masks.
-struct VisibleTile {
-  TileVisibility visibility;
-  int64_t keys;
-};
-
-VisibleTile PrepareTile(const AttentionMasks& m, RowMasks& rm, int64_t b, int64_t count, int64_t s0, int64_t s1) {
-  const TileVisibility visibility = ClassifyTile(m, rm, b, s0, s1);
-  if (visibility == TileVisibility::kNone) return {visibility, 0};
-  const int64_t keys = ClippedKeys(rm, s0, s1 - s0);
-  if (visibility == TileVisibility::kPartial) SetTileRanges(rm, count, s0, keys);
-  return {visibility, keys};
+// Calls fn(s0, visibility, keys) for each kv tile [s0, s0 + block) of [begin, end) that some of
+// a task's rows see, skipping the rest: keys is clipped to the last key any row sees, and a
+// partial tile has its per-row ranges set for the masks first.
+template <typename Fn>
+void ForEachVisibleTile(const AttentionMasks& m, RowMasks& rm, int64_t b, int64_t count, int64_t begin, int64_t end,
+                        int64_t block, Fn&& fn) {
+  for (int64_t s0 = begin; s0 < end; s0 += block) {
+    const int64_t s1 = std::min(s0 + block, end);
+    const TileVisibility visibility = ClassifyTile(m, rm, b, s0, s1);
+    if (visibility == TileVisibility::kNone) continue;
+    const int64_t keys = ClippedKeys(rm, s0, s1 - s0);
+    if (visibility == TileVisibility::kPartial) SetTileRanges(rm, count, s0, keys);
+    fn(s0, visibility, keys);
+  }
 }
 
 struct Kernels {
@@ -540,11 +540,8 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
   std::fill(max, max + cols, kNegInf);
   std::fill(sum, sum + cols, 0.0f);
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
-  for (int64_t s0 = kv_begin; s0 < kv_end; s0 += block) {
-    const VisibleTile tile = PrepareTile(p.masks, s.row_masks, rows.b, count, s0, std::min(s0 + block, kv_end));
-    if (tile.visibility == TileVisibility::kNone) continue;
-    const TileVisibility visibility = tile.visibility;
-    const int64_t keys = tile.keys;
+  ForEachVisibleTile(p.masks, s.row_masks, rows.b, count, kv_begin, kv_end, block,
+                     [&](int64_t s0, TileVisibility visibility, int64_t keys) {
     // run(h, first row of (kv head h, position), j0, keys of the run), in memory order.
     auto for_runs = [&](auto&& run) {
       for (int64_t j0 = 0; j0 < keys; j0 += kRowRunKeys) {
@@ -568,7 +565,7 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
                                    ElementAddress(p.v, rows.b, s0 + j0, h, 0), p.v.strides[1], value_dim,
                                    acc + r0 * value_dim, value_dim);
     });
-  }
+  });
   for (int64_t r = 0; r < count; ++r) {
     FinishRow(p, d, rows.b, rows.t(r), rows.n(r), acc + r * value_dim, max[r], sum[r], split, partials);
   }
@@ -622,11 +619,8 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
     k.softmax->transpose_panels(q_rows, d.head_dim, count, d.head_dim, nr, q_panels);
   }
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
-  for (int64_t s0 = kv_begin; s0 < kv_end; s0 += block) {
-    const VisibleTile tile = PrepareTile(p.masks, s.row_masks, rows.b, count, s0, std::min(s0 + block, kv_end));
-    if (tile.visibility == TileVisibility::kNone) continue;
-    const TileVisibility visibility = tile.visibility;
-    const int64_t keys = tile.keys;
+  ForEachVisibleTile(p.masks, s.row_masks, rows.b, count, kv_begin, kv_end, block,
+                     [&](int64_t s0, TileVisibility visibility, int64_t keys) {
     // st = K_tile · (scale·Q)ᵀ, then the logits' epilogue and masks.
     if (amx) {
       AmxGemmBf16(RoundUp(keys, kAmxTileRows), cols, d.head_dim, amx_k->At(rows.b, kv_head, s0), amx_k->ld(),
@@ -653,7 +647,7 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
       TileGemm(gemm, keys, InPlaceA(st, cols, mr), row_panels, v_tiles.Tile(rows.b, kv_head, s0, keys, v_panels),
                ld_acc / nr, acc, ld_acc, true);
     }
-  }
+  });
   // The amx accumulator is transposed: back to rows (one register transpose).
   const float* out = acc;
   int64_t ld_out = ld_acc;
@@ -808,66 +802,68 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
         delta[r] = dot;
       }
     }
-    for (int64_t s0 = 0; any_visible && s0 < d.kv_len; s0 += block) {
-      const VisibleTile tile = PrepareTile(p.masks, s.row_masks, b, count, s0, std::min(s0 + block, d.kv_len));
-      if (tile.visibility == TileVisibility::kNone) continue;
-      const TileVisibility visibility = tile.visibility;
-      const int64_t keys = tile.keys;
-      const int64_t key_panels = CeilDiv(keys, mr);
-      const int64_t key_tiles = RoundUp(keys, kAmxTileRows);  // amx: rows of the key-major products
-      // P = exp(logits - lse), recomputed.
-      if (amx) {
-        AmxGemmBf16(key_tiles, cols, d.head_dim, amx_ops->k_rows.At(b, kv_head, s0), amx_ops->k_rows.ld(), q_vnni,
-                    st, cols, false, p.scale);
-      } else {
-        TileGemm(gemm, d.head_dim, k_tiles.Tile(b, kv_head, s0, keys, k_panels), key_panels,
-                 PackedB(q_panels, d.head_dim, nr), cols / nr, st, cols, false);
-      }
-      FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, cols, tanh_values);
-      k.softmax->exp_columns(st, keys, cols, cols, lse_sub, nullptr);
-      // dV_tile += P · dO; dPᵀ = V_tile · dOᵀ.
-      if (amx) {
-        // P's rows past `keys` are zero: they must add nothing to the next tile's dV rows.
-        AmxConvertRowsBf16(st, cols, keys, key_tiles, cols, tile_rows, cols);
-        AmxGemmBf16(key_tiles, d.value_dim, cols, tile_rows, cols, do_row_vnni, dv_acc + s0 * ld_dv, ld_dv, true,
-                    1.0f);
-        AmxGemmBf16(key_tiles, cols, d.value_dim, amx_ops->v_rows.At(b, kv_head, s0), amx_ops->v_rows.ld(), do_vnni,
-                    dpt, cols, false, 1.0f);
-      } else {
-        gemm.pack_a({st, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
-        TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, Panels{do_rows, ld_dv, nr}, ld_dv / nr,
-                 dv_acc + s0 * ld_dv, ld_dv, true);
-        TileGemm(gemm, d.value_dim, v_tiles.Tile(b, kv_head, s0, keys, v_panels), key_panels,
-                 PackedB(do_panels, d.value_dim, nr), cols / nr, dpt, cols, false);
-      }
-      // dS = P ∘ (dP - delta), times the soft cap's derivative.
-      k.softmax->softmax_grad_columns(st, dpt, keys, cols, cols, delta);
-      if (tanh_values != nullptr) {
-        for (int64_t j = 0; j < keys; ++j) {
-          for (int64_t r = 0; r < cols; ++r) dpt[j * cols + r] *= 1.0f - tanh_values[j * cols + r] * tanh_values[j * cols + r];
+    if (any_visible) {
+      ForEachVisibleTile(p.masks, s.row_masks, b, count, 0, d.kv_len, block,
+                         [&](int64_t s0, TileVisibility visibility, int64_t keys) {
+        const int64_t key_panels = CeilDiv(keys, mr);
+        const int64_t key_tiles = RoundUp(keys, kAmxTileRows);  // amx: rows of the key-major products
+        // P = exp(logits - lse), recomputed.
+        if (amx) {
+          AmxGemmBf16(key_tiles, cols, d.head_dim, amx_ops->k_rows.At(b, kv_head, s0), amx_ops->k_rows.ld(), q_vnni,
+                      st, cols, false, p.scale);
+        } else {
+          TileGemm(gemm, d.head_dim, k_tiles.Tile(b, kv_head, s0, keys, k_panels), key_panels,
+                   PackedB(q_panels, d.head_dim, nr), cols / nr, st, cols, false);
         }
-      }
-      if (g.dbias != nullptr) {
-        for (int64_t r = 0; r < count; ++r) {
-          float* dst = static_cast<float*>(g.dbias) + ((b * d.q_heads + rows.n(r)) * d.q_len + rows.t(r)) * d.kv_len + s0;
-          for (int64_t j = 0; j < keys; ++j) dst[j] = dpt[j * cols + r];
+        FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, cols, tanh_values);
+        k.softmax->exp_columns(st, keys, cols, cols, lse_sub, nullptr);
+        // dV_tile += P · dO; dPᵀ = V_tile · dOᵀ.
+        if (amx) {
+          // P's rows past `keys` are zero: they must add nothing to the next tile's dV rows.
+          AmxConvertRowsBf16(st, cols, keys, key_tiles, cols, tile_rows, cols);
+          AmxGemmBf16(key_tiles, d.value_dim, cols, tile_rows, cols, do_row_vnni, dv_acc + s0 * ld_dv, ld_dv, true,
+                      1.0f);
+          AmxGemmBf16(key_tiles, cols, d.value_dim, amx_ops->v_rows.At(b, kv_head, s0), amx_ops->v_rows.ld(), do_vnni,
+                      dpt, cols, false, 1.0f);
+        } else {
+          gemm.pack_a({st, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
+          TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, Panels{do_rows, ld_dv, nr}, ld_dv / nr,
+                   dv_acc + s0 * ld_dv, ld_dv, true);
+          TileGemm(gemm, d.value_dim, v_tiles.Tile(b, kv_head, s0, keys, v_panels), key_panels,
+                   PackedB(do_panels, d.value_dim, nr), cols / nr, dpt, cols, false);
         }
-      }
-      // dK_tile += dS · (scale·Q); dQ += dS · K_tile (scaled when stored).
-      if (amx) {
-        AmxConvertRowsBf16(dpt, cols, keys, key_tiles, cols, tile_rows, cols);
-        AmxGemmBf16(key_tiles, d.head_dim, cols, tile_rows, cols, q_row_vnni, dk_acc + s0 * ld_dk, ld_dk, true, 1.0f);
-        const int64_t depth = RoundUp(keys, kAmxTileDepth);
-        AmxPackVnniFromRows(dpt, cols, keys, depth, cols, tile_vnni);
-        AmxGemmBf16(d.head_dim, cols, depth, amx_ops->k_t.At(b, kv_head, s0), amx_ops->k_t.ld(), tile_vnni, dq_acc,
-                    cols, true, 1.0f);
-      } else {
-        gemm.pack_a({dpt, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
-        TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, Panels{q_rows, ld_dq, nr}, ld_dk / nr,
-                 dk_acc + s0 * ld_dk, ld_dk, true);
-        TileGemm(gemm, keys, InPlaceA(dpt, cols, mr), row_panels, k_row_tiles.Tile(b, kv_head, s0, keys, k_rows),
-                 ld_dq / nr, dq_acc, ld_dq, true);
-      }
+        // dS = P ∘ (dP - delta), times the soft cap's derivative.
+        k.softmax->softmax_grad_columns(st, dpt, keys, cols, cols, delta);
+        if (tanh_values != nullptr) {
+          for (int64_t j = 0; j < keys; ++j) {
+            for (int64_t r = 0; r < cols; ++r) {
+              dpt[j * cols + r] *= 1.0f - tanh_values[j * cols + r] * tanh_values[j * cols + r];
+            }
+          }
+        }
+        if (g.dbias != nullptr) {
+          for (int64_t r = 0; r < count; ++r) {
+            float* dst =
+                static_cast<float*>(g.dbias) + ((b * d.q_heads + rows.n(r)) * d.q_len + rows.t(r)) * d.kv_len + s0;
+            for (int64_t j = 0; j < keys; ++j) dst[j] = dpt[j * cols + r];
+          }
+        }
+        // dK_tile += dS · (scale·Q); dQ += dS · K_tile (scaled when stored).
+        if (amx) {
+          AmxConvertRowsBf16(dpt, cols, keys, key_tiles, cols, tile_rows, cols);
+          AmxGemmBf16(key_tiles, d.head_dim, cols, tile_rows, cols, q_row_vnni, dk_acc + s0 * ld_dk, ld_dk, true, 1.0f);
+          const int64_t depth = RoundUp(keys, kAmxTileDepth);
+          AmxPackVnniFromRows(dpt, cols, keys, depth, cols, tile_vnni);
+          AmxGemmBf16(d.head_dim, cols, depth, amx_ops->k_t.At(b, kv_head, s0), amx_ops->k_t.ld(), tile_vnni, dq_acc,
+                      cols, true, 1.0f);
+        } else {
+          gemm.pack_a({dpt, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
+          TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, Panels{q_rows, ld_dq, nr}, ld_dk / nr,
+                   dk_acc + s0 * ld_dk, ld_dk, true);
+          TileGemm(gemm, keys, InPlaceA(dpt, cols, mr), row_panels, k_row_tiles.Tile(b, kv_head, s0, keys, k_rows),
+                   ld_dq / nr, dq_acc, ld_dq, true);
+        }
+      });
     }
     const float* dq_rows = dq_acc;
     int64_t ld_rows = ld_dq;
