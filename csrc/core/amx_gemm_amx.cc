@@ -122,7 +122,7 @@ void ScaleBlock(float* c, int64_t ldc, int64_t rows, int64_t cols, float scale) 
 }
 
 #include "csrc/core/exp_avx512.inc"
-#include "csrc/core/transpose8x8_avx.inc"
+#include "csrc/core/transpose_avx.inc"
 
 // vpermw index that interleaves two converted rows: out[2i] = lo[i], out[2i + 1] = hi[i].
 __m512i InterleaveOrder() {

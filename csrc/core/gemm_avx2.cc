@@ -2,6 +2,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "csrc/core/gemm.h"
 
@@ -9,6 +10,7 @@ namespace tokamax {
 namespace gemm_avx2 {
 constexpr int64_t kMr = 6;
 constexpr int64_t kNr = 16;
+#include "csrc/core/transpose_avx.inc"
 #include "csrc/core/gemm_kernels.inc"
 
 // Widens 16 consecutive B elements of row `b` into two fp32 vectors.

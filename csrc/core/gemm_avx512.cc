@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "csrc/core/gemm.h"
 
@@ -10,6 +11,7 @@ namespace tokamax {
 namespace gemm_avx512 {
 constexpr int64_t kMr = 12;
 constexpr int64_t kNr = 32;
+#include "csrc/core/transpose_avx.inc"
 #include "csrc/core/gemm_kernels.inc"
 
 inline void LoadRow32(const float* b, __m512* lo, __m512* hi) {

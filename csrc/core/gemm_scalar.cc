@@ -1,5 +1,6 @@
 // The scalar ISA tier: portable C++ built without SIMD flags (also the aarch64 fallback).
 #include <cmath>
+#include <type_traits>
 
 #include "csrc/core/gemm.h"
 
@@ -7,6 +8,7 @@ namespace tokamax {
 namespace gemm_scalar {
 constexpr int64_t kMr = 6;
 constexpr int64_t kNr = 16;
+#include "csrc/core/transpose_scalar.inc"
 #include "csrc/core/gemm_kernels.inc"
 }  // namespace gemm_scalar
 

@@ -124,6 +124,40 @@ TEST_P(GemmMicroTest, ReadsAInPlaceWithLda) {
   EXPECT_LT(max_error, 1e-4);
 }
 
+// pack_a of a row-major fp32 A (the register-transpose path) and of its transposed view (the
+// strided path): every panel element is A's, zero past the last row, nothing written past the
+// panels, for depths around the 8-wide blocks and row counts around whole panels.
+TEST_P(GemmMicroTest, PackAMatchesElementwise) {
+  const Isa isa = GetParam();
+  if (!IsaSupported(isa, GetCpuInfo())) GTEST_SKIP() << IsaName(isa) << " not supported here";
+  const GemmKernels& kernels = GetGemmKernels(isa);
+  const int64_t mr = kernels.mr, ld = 83;
+  Buffer source(DType::kFloat32, ld * ld);  // square, so both views hold every index used
+  testing::FillRandom(source, ld * ld, 7);
+  const float* data = static_cast<const float*>(source.data());
+  for (bool transposed : {false, true}) {
+    for (int64_t rows : {int64_t{1}, mr - 1, mr, 2 * mr + 3}) {
+      for (int64_t depth : {1, 7, 8, 9, 16, 21, 40}) {
+        const int64_t row0 = 2, k0 = 3, panels = (rows + mr - 1) / mr, size = panels * mr * depth;
+        // A(i, p) at data[i * ld + p], or for the transposed view at data[p * ld + i].
+        const ConstMatrix a = transposed ? ConstMatrix{data, DType::kFloat32, ld, ld, 1, ld}
+                                         : ConstMatrix{data, DType::kFloat32, ld, ld, ld, 1};
+        std::vector<float> got(size + 16, -7.0f);
+        kernels.pack_a(a, row0, rows, k0, depth, got.data());
+        for (int64_t r = 0; r < panels * mr; ++r) {
+          for (int64_t p = 0; p < depth; ++p) {
+            const int64_t i = row0 + r, j = k0 + p;
+            const float want = r < rows ? (transposed ? data[j * ld + i] : data[i * ld + j]) : 0.0f;
+            ASSERT_EQ(got[(r / mr) * mr * depth + p * mr + r % mr], want)
+                << "transposed " << transposed << " rows " << rows << " depth " << depth << " r " << r << " p " << p;
+          }
+        }
+        for (int64_t e = size; e < size + 16; ++e) ASSERT_EQ(got[e], -7.0f) << "wrote past the panels";
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllTiers, GemmMicroTest, ::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512),
                          [](const auto& info) { return std::string(IsaName(info.param)); });
 INSTANTIATE_TEST_SUITE_P(

@@ -66,7 +66,7 @@ inline Vec Exp(Vec x) {
   return _mm256_andnot_ps(flush, y);
 }
 
-#include "csrc/core/transpose8x8_avx.inc"
+#include "csrc/core/transpose_avx.inc"
 #include "csrc/core/softmax_kernels.inc"
 
 }  // namespace softmax_avx2

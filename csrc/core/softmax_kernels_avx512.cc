@@ -53,7 +53,7 @@ constexpr int64_t kAccumulatorRegisters = 16;  // of 32
 
 #include "csrc/core/exp_avx512.inc"
 
-#include "csrc/core/transpose8x8_avx.inc"
+#include "csrc/core/transpose_avx.inc"
 #include "csrc/core/softmax_kernels.inc"
 
 }  // namespace softmax_avx512

@@ -25,11 +25,7 @@ inline Vec LoadWiden(const T* p) { return LoadAsFloat(p); }
 inline Vec SumLanes(const Vec* v) { return v[0]; }
 constexpr int64_t kAccumulatorRegisters = 8;
 
-inline void Transpose8x8(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
-  for (int64_t l = 0; l < 8; ++l) {
-    for (int64_t j = 0; j < 8; ++j) dst[l * ld_dst + j] = src[j * ld_src + l];
-  }
-}
+#include "csrc/core/transpose_scalar.inc"
 
 #include "csrc/core/softmax_kernels.inc"
 
