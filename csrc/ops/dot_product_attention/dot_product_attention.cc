@@ -36,6 +36,16 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
 
+// A row stride, in floats, of at least `floats` and an odd number of 64-byte lines, for the
+// [key][row] logits tiles that P·V and dQ = dS·K read in place as A, one key's rows per depth
+// step. At an even stride those steps fall into a fraction of the L1 sets (96 rows, 6 lines:
+// half of them) and evict the B panel; an odd one spreads them over every set.
+int64_t SetSpreadingLd(int64_t floats) {
+  constexpr int64_t kLineFloats = 16;
+  const int64_t lines = CeilDiv(floats, kLineFloats);
+  return (lines % 2 == 0 ? lines + 1 : lines) * kLineFloats;
+}
+
 struct Dims {
   int64_t batch, q_len, kv_len, q_heads, kv_heads, group, head_dim, value_dim;
 };
@@ -496,10 +506,10 @@ constexpr int64_t kRowRunKeys = 16;
 // The online softmax step of one tile, before the exponentiation: the new
 // running max of each column, the factor alpha that rescales what was accumulated (the running
 // sums rescaled here), and `sub`, what the tile's logits are shifted by before exp.
-void UpdateRunningMax(const Kernels& k, const float* st, int64_t keys, int64_t cols, float* max, float* sum,
-                      float* alpha, float* sub, float* tile_max) {
+void UpdateRunningMax(const Kernels& k, const float* st, int64_t keys, int64_t ld, int64_t cols, float* max,
+                      float* sum, float* alpha, float* sub, float* tile_max) {
   std::fill(tile_max, tile_max + cols, kNegInf);
-  k.softmax->column_max(st, keys, cols, cols, tile_max);
+  k.softmax->column_max(st, keys, ld, cols, tile_max);
   for (int64_t r = 0; r < cols; ++r) {
     const float new_max = std::max(max[r], tile_max[r]);
     alpha[r] = 1.0f;
@@ -557,7 +567,7 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
                           q + r0 * head_dim, head_dim, d.group, st + j0 * cols + r0, cols);
     });
     FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, cols, nullptr);
-    UpdateRunningMax(k, st, keys, cols, max, sum, alpha, sub, tile_max);
+    UpdateRunningMax(k, st, keys, cols, cols, max, sum, alpha, sub, tile_max);
     k.softmax->exp_columns(st, keys, cols, cols, sub, sum);
     k.softmax->scale_rows(acc, value_dim, count, value_dim, alpha);
     for_runs([&](int64_t h, int64_t r0, int64_t j0, int64_t n) {
@@ -597,7 +607,9 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   uint16_t* q_vnni = amx ? Scratch(s.q_vnni, q_floats) : nullptr;
   float* k_panels = Scratch(s.k_panels, k_tiles.tile_floats());
   const int64_t st_rows = std::max(RoundUp(block, mr), RoundUp(block, kAmxTileDepth));
-  float* st = InPlaceTileScratch(s.st, st_rows, cols);  // P·V reads it in place
+  // P·V reads st in place as A: one key's rows per depth step, ld_st apart.
+  const int64_t ld_st = SetSpreadingLd(cols);
+  float* st = InPlaceTileScratch(s.st, st_rows, ld_st);
   float* v_panels = Scratch(s.v_panels, v_tiles.tile_floats());
   uint16_t* p_vnni = amx ? Scratch(s.p_vnni, st_rows * cols) : nullptr;
   float* acc = Scratch(s.acc, acc_floats);
@@ -624,27 +636,27 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
     // st = K_tile · (scale·Q)ᵀ, then the logits' epilogue and masks.
     if (amx) {
       AmxGemmBf16(RoundUp(keys, kAmxTileRows), cols, d.head_dim, amx_k->At(rows.b, kv_head, s0), amx_k->ld(),
-                  q_vnni, st, cols, false, p.scale);
+                  q_vnni, st, ld_st, false, p.scale);
     } else {
       TileGemm(gemm, d.head_dim, k_tiles.Tile(rows.b, kv_head, s0, keys, k_panels), CeilDiv(keys, mr),
-               PackedB(q_panels, d.head_dim, nr), cols / nr, st, cols, false);
+               PackedB(q_panels, d.head_dim, nr), cols / nr, st, ld_st, false);
     }
-    FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, cols, nullptr);
-    UpdateRunningMax(k, st, keys, cols, max, sum, alpha, sub, tile_max);
+    FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, ld_st, nullptr);
+    UpdateRunningMax(k, st, keys, ld_st, cols, max, sum, alpha, sub, tile_max);
     if (amx) {
       // accᵀ = accᵀ ∘ alpha + Vᵀ_tile · Pᵀ, with P = exp(st - sub) computed while its key pairs
       // are packed into VNNI panels (st itself is never written back).
       k.softmax->scale_columns(acc, ld_acc, d.value_dim, cols, alpha);
       const int64_t depth = RoundUp(keys, kAmxTileDepth);
-      AmxExpPackVnni(st, cols, keys, depth, cols, sub, sum, p_vnni);
+      AmxExpPackVnni(st, ld_st, keys, depth, cols, sub, sum, p_vnni);
       AmxGemmBf16(d.value_dim, cols, depth, amx_vt->At(rows.b, kv_head, s0), amx_vt->ld(), p_vnni, acc, ld_acc,
                   true, 1.0f);
     } else {
       // acc = acc ∘ alpha + P · V_tile, with P = stᵀ read in place: at each key, a panel's mr
       // rows are adjacent.
-      k.softmax->exp_columns(st, keys, cols, cols, sub, sum);
+      k.softmax->exp_columns(st, keys, ld_st, cols, sub, sum);
       k.softmax->scale_rows(acc, ld_acc, count, d.value_dim, alpha);
-      TileGemm(gemm, keys, InPlaceA(st, cols, mr), row_panels, v_tiles.Tile(rows.b, kv_head, s0, keys, v_panels),
+      TileGemm(gemm, keys, InPlaceA(st, ld_st, mr), row_panels, v_tiles.Tile(rows.b, kv_head, s0, keys, v_panels),
                ld_acc / nr, acc, ld_acc, true);
     }
   });
@@ -692,8 +704,8 @@ void ZeroOutputs(const DotProductAttentionParams& p, const Dims& d) {
 // ---- backward ------------------------------------------------------------------------------
 
 struct BackwardScratch {
-  std::vector<float> q_panels, q_rows, do_panels, do_rows, k_panels, k_rows, v_panels, st, dpt, tanh, a_panels,
-      dq_acc, lse_sub, delta;
+  std::vector<float> q_panels, q_rows, do_panels, do_rows, q_bpanels, do_bpanels, k_panels, k_rows, v_panels, st, dpt,
+      tanh, a_panels, dq_acc, lse_sub, delta;
   std::vector<uint16_t> q_vnni, do_vnni, q_row_vnni, do_row_vnni, tile_rows, tile_vnni;  // amx operands
   RowMasks row_masks;
 };
@@ -730,12 +742,17 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
   float* q_rows = Scratch(s.q_rows, max_rows * ld_dq);
   float* do_panels = Scratch(s.do_panels, max_cols * d.value_dim);
   float* do_rows = Scratch(s.do_rows, max_rows * ld_dv);
+  float* q_bpanels = Scratch(s.q_bpanels, max_rows * ld_dq);
+  float* do_bpanels = Scratch(s.do_bpanels, max_rows * ld_dv);
   float* k_panels = Scratch(s.k_panels, k_tiles.tile_floats());
   float* k_rows = Scratch(s.k_rows, k_row_tiles.tile_floats());
   float* v_panels = Scratch(s.v_panels, v_tiles.tile_floats());
-  float* st = Scratch(s.st, kv_rows * max_cols);
-  float* dpt = InPlaceTileScratch(s.dpt, kv_rows, max_cols);  // dQ reads it in place
-  float* tanh_values = p.logits_soft_cap > 0.0f ? Scratch(s.tanh, kv_rows * max_cols) : nullptr;
+  // P, dPᵀ and the soft cap's tanh as [key][row] tiles, SetSpreadingLd(cols) apart (dQ reads dS
+  // in place as A).
+  const int64_t max_ld_st = SetSpreadingLd(max_cols);
+  float* st = Scratch(s.st, kv_rows * max_ld_st);
+  float* dpt = InPlaceTileScratch(s.dpt, kv_rows, max_ld_st);
+  float* tanh_values = p.logits_soft_cap > 0.0f ? Scratch(s.tanh, kv_rows * max_ld_st) : nullptr;
   // Packed P or dS, the O rows before the first tile, and for amx dQ as rows after the last.
   float* a_panels = Scratch(s.a_panels, std::max({kv_rows * max_cols, max_rows * ld_dv, max_rows * ld_dq}));
   float* dq_acc = Scratch(s.dq_acc, std::max(RoundUp(max_rows, mr) * ld_dq, d.head_dim * max_cols));
@@ -765,6 +782,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
     rows.positions = std::min(config.block_q, d.q_len - rows.t0);
     const int64_t count = rows.count();
     const int64_t cols = RoundUp(count, amx ? std::max(nr, kAmxTileDepth) : nr);
+    const int64_t ld_st = SetSpreadingLd(cols);
     const int64_t row_panels = CeilDiv(count, mr);
     ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
     const int64_t dq_floats = amx ? d.head_dim * cols : row_panels * mr * ld_dq;
@@ -783,6 +801,11 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
       } else {
         k.softmax->transpose_panels(q_rows, ld_dq, count, d.head_dim, nr, q_panels);
         k.softmax->transpose_panels(do_rows, ld_dv, count, d.value_dim, nr, do_panels);
+        // Q and dO as the B panels of dK += dS·Q and dV += P·dO, over the block's rows: read in
+        // place instead (rows 512 bytes apart), those two products ran 8-15% slower than the
+        // other three.
+        gemm.pack_b({q_rows, DType::kFloat32, count, d.head_dim, ld_dq, 1}, 0, count, 0, d.head_dim, q_bpanels);
+        gemm.pack_b({do_rows, DType::kFloat32, count, d.value_dim, ld_dv, 1}, 0, count, 0, d.value_dim, do_bpanels);
       }
       // Per row: lse (0 for rows that see nothing: their logits are all -inf, so P = 0) and
       // delta = rowsum(dO ∘ O) - dlse.
@@ -810,34 +833,34 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
         // P = exp(logits - lse), recomputed.
         if (amx) {
           AmxGemmBf16(key_tiles, cols, d.head_dim, amx_ops->k_rows.At(b, kv_head, s0), amx_ops->k_rows.ld(), q_vnni,
-                      st, cols, false, p.scale);
+                      st, ld_st, false, p.scale);
         } else {
           TileGemm(gemm, d.head_dim, k_tiles.Tile(b, kv_head, s0, keys, k_panels), key_panels,
-                   PackedB(q_panels, d.head_dim, nr), cols / nr, st, cols, false);
+                   PackedB(q_panels, d.head_dim, nr), cols / nr, st, ld_st, false);
         }
-        FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, cols, tanh_values);
-        k.softmax->exp_columns(st, keys, cols, cols, lse_sub, nullptr);
+        FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, ld_st, tanh_values);
+        k.softmax->exp_columns(st, keys, ld_st, cols, lse_sub, nullptr);
         // dV_tile += P · dO; dPᵀ = V_tile · dOᵀ.
         if (amx) {
           // P's rows past `keys` are zero: they must add nothing to the next tile's dV rows.
-          AmxConvertRowsBf16(st, cols, keys, key_tiles, cols, tile_rows, cols);
+          AmxConvertRowsBf16(st, ld_st, keys, key_tiles, cols, tile_rows, cols);
           AmxGemmBf16(key_tiles, d.value_dim, cols, tile_rows, cols, do_row_vnni, dv_acc + s0 * ld_dv, ld_dv, true,
                       1.0f);
           AmxGemmBf16(key_tiles, cols, d.value_dim, amx_ops->v_rows.At(b, kv_head, s0), amx_ops->v_rows.ld(), do_vnni,
-                      dpt, cols, false, 1.0f);
+                      dpt, ld_st, false, 1.0f);
         } else {
-          gemm.pack_a({st, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
-          TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, Panels{do_rows, ld_dv, nr}, ld_dv / nr,
+          gemm.pack_a({st, DType::kFloat32, keys, count, ld_st, 1}, 0, keys, 0, count, a_panels);
+          TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, PackedB(do_bpanels, count, nr), ld_dv / nr,
                    dv_acc + s0 * ld_dv, ld_dv, true);
           TileGemm(gemm, d.value_dim, v_tiles.Tile(b, kv_head, s0, keys, v_panels), key_panels,
-                   PackedB(do_panels, d.value_dim, nr), cols / nr, dpt, cols, false);
+                   PackedB(do_panels, d.value_dim, nr), cols / nr, dpt, ld_st, false);
         }
         // dS = P ∘ (dP - delta), times the soft cap's derivative.
-        k.softmax->softmax_grad_columns(st, dpt, keys, cols, cols, delta);
+        k.softmax->softmax_grad_columns(st, dpt, keys, ld_st, cols, delta);
         if (tanh_values != nullptr) {
           for (int64_t j = 0; j < keys; ++j) {
             for (int64_t r = 0; r < cols; ++r) {
-              dpt[j * cols + r] *= 1.0f - tanh_values[j * cols + r] * tanh_values[j * cols + r];
+              dpt[j * ld_st + r] *= 1.0f - tanh_values[j * ld_st + r] * tanh_values[j * ld_st + r];
             }
           }
         }
@@ -845,22 +868,22 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
           for (int64_t r = 0; r < count; ++r) {
             float* dst =
                 static_cast<float*>(g.dbias) + ((b * d.q_heads + rows.n(r)) * d.q_len + rows.t(r)) * d.kv_len + s0;
-            for (int64_t j = 0; j < keys; ++j) dst[j] = dpt[j * cols + r];
+            for (int64_t j = 0; j < keys; ++j) dst[j] = dpt[j * ld_st + r];
           }
         }
         // dK_tile += dS · (scale·Q); dQ += dS · K_tile (scaled when stored).
         if (amx) {
-          AmxConvertRowsBf16(dpt, cols, keys, key_tiles, cols, tile_rows, cols);
+          AmxConvertRowsBf16(dpt, ld_st, keys, key_tiles, cols, tile_rows, cols);
           AmxGemmBf16(key_tiles, d.head_dim, cols, tile_rows, cols, q_row_vnni, dk_acc + s0 * ld_dk, ld_dk, true, 1.0f);
           const int64_t depth = RoundUp(keys, kAmxTileDepth);
-          AmxPackVnniFromRows(dpt, cols, keys, depth, cols, tile_vnni);
+          AmxPackVnniFromRows(dpt, ld_st, keys, depth, cols, tile_vnni);
           AmxGemmBf16(d.head_dim, cols, depth, amx_ops->k_t.At(b, kv_head, s0), amx_ops->k_t.ld(), tile_vnni, dq_acc,
                       cols, true, 1.0f);
         } else {
-          gemm.pack_a({dpt, DType::kFloat32, keys, count, cols, 1}, 0, keys, 0, count, a_panels);
-          TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, Panels{q_rows, ld_dq, nr}, ld_dk / nr,
+          gemm.pack_a({dpt, DType::kFloat32, keys, count, ld_st, 1}, 0, keys, 0, count, a_panels);
+          TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, PackedB(q_bpanels, count, nr), ld_dk / nr,
                    dk_acc + s0 * ld_dk, ld_dk, true);
-          TileGemm(gemm, keys, InPlaceA(dpt, cols, mr), row_panels, k_row_tiles.Tile(b, kv_head, s0, keys, k_rows),
+          TileGemm(gemm, keys, InPlaceA(dpt, ld_st, mr), row_panels, k_row_tiles.Tile(b, kv_head, s0, keys, k_rows),
                    ld_dq / nr, dq_acc, ld_dq, true);
         }
       });
