@@ -145,7 +145,7 @@ def run_case(c, backward: bool, reps: int, memory_only: bool = False) -> list[di
     pairs = visible_pairs(c["t"], c["s"], causal=c["causal"], window=c["window"], segments=c["segments"])
     # Two GEMMs forward (q·k, p·v), five backward (recompute, dV, dP, dQ, dK): 2 flops per MAC.
     flops = 2 * 2 * c["b"] * c["n"] * c["h"] * pairs * (3.5 if backward else 1.0)
-    rows = []
+    rows, steps = [], []
     for impl, make in (("tokamax", tokamax_call), ("sdpa", sdpa_call)):
         inputs = [x.detach().requires_grad_(backward) for x in (q, k, v)]
         call = make(c, *inputs)
@@ -158,15 +158,17 @@ def run_case(c, backward: bool, reps: int, memory_only: bool = False) -> list[di
             def step(call=call):
                 with torch.no_grad():
                     call()
-        if memory_only:
+        steps.append((impl, step))
+    labels = dict(case=c["name"], dtype=str(c["dtype"]).removeprefix("torch."), pass_="fwd+bwd" if backward else "fwd")
+    if memory_only:
+        for impl, step in steps:
             step()
-            rows.append(dict(case=c["name"], dtype=str(c["dtype"]).removeprefix("torch."),
-                             pass_="fwd+bwd" if backward else "fwd", impl=impl, peak_mib=peak_memory_mib(step)))
-            continue
-        timing = common.time_fn(step, warmup=1, reps=reps)
-        rows.append(dict(case=c["name"], dtype=str(c["dtype"]).removeprefix("torch."),
-                         pass_="fwd+bwd" if backward else "fwd", impl=impl, **timing,
-                         gflops=flops / timing["median_ms"] * 1e-6,
+            rows.append(dict(labels, impl=impl, peak_mib=peak_memory_mib(step)))
+        return rows
+    # The two implementations' calls alternate, so a change of the VM's speed hits both.
+    timings = common.time_interleaved([step for _, step in steps], warmup=1, reps=reps)
+    for (impl, _), timing in zip(steps, timings):
+        rows.append(dict(labels, impl=impl, **timing, gflops=flops / timing["median_ms"] * 1e-6,
                          shape=f"B={c['b']} T={c['t']} S={c['s']} N={c['n']} K={c['k']} H={c['h']}"))
     return rows
 
@@ -215,7 +217,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="half-size problems, fewer repetitions")
     args = parser.parse_args()
-    reps = 2 if args.quick else 3
+    reps = 2 if args.quick else 5
     info = common.machine()
     ceilings = common.measure_ceilings()
     print(f"machine: {info['cpu']} ({info['device_kind']}), {info['threads']} threads, torch {info['torch']}")

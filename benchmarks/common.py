@@ -28,6 +28,21 @@ def time_fn(fn, *, warmup: int = 1, reps: int = 5, min_seconds: float = 0.0) -> 
     return {"median_ms": statistics.median(samples), "min_ms": min(samples), "samples": len(samples)}
 
 
+def time_interleaved(fns, *, warmup: int = 1, reps: int = 5) -> list[dict]:
+    """time_fn for several functions at once, their timed calls alternating (f0, f1, ..., f0,
+    f1, ...), so that each sees the same drift of a shared machine's speed."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    samples = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, out in zip(fns, samples):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return [{"median_ms": statistics.median(x), "min_ms": min(x), "samples": len(x)} for x in samples]
+
+
 def measure_ceilings() -> dict:
     """fp32 FMA peak (active ISA tier, and 256-bit AVX2), DRAM read bandwidth and, on the amx
     tier, the bf16 AMX tile rate (0 elsewhere), all threads."""
