@@ -1,6 +1,7 @@
 """dot_product_attention benchmark: the tokamax kernel against F.scaled_dot_product_attention.
 
-Every case runs both side by side in one process. SDPA gets the equivalent inputs: [B, N, T, H]
+Every case runs both side by side in one process, their timed calls alternating (5 of each
+after a warm-up; the median), so a drift of the machine's speed hits both. SDPA gets the equivalent inputs: [B, N, T, H]
 transposed views (no copies), enable_gqa=True, and an explicit dense bool mask where it has no
 argument for the feature (sliding windows, packed segments). Reported per case: median time,
 useful GFLOP/s (visible (query, key) pairs only) and the fraction of the fp32 FMA peak measured
