@@ -11,26 +11,14 @@ namespace gemm_avx2 {
 constexpr int64_t kMr = 6;
 constexpr int64_t kNr = 16;
 #include "csrc/core/transpose_avx.inc"
+#include "csrc/core/widen_avx2.inc"
 #include "csrc/core/gemm_kernels.inc"
 
-// Widens 16 consecutive B elements of row `b` into two fp32 vectors.
-inline void LoadRow16(const float* b, __m256* lo, __m256* hi) {
-  *lo = _mm256_loadu_ps(b);
-  *hi = _mm256_loadu_ps(b + 8);
-}
-
-inline void LoadRow16(const BFloat16Bits* b, __m256* lo, __m256* hi) {
-  // bf16 is the top half of an fp32: zero-extend to 32 bits and shift left by 16.
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
-  const __m256i lo_bits = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw));
-  const __m256i hi_bits = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1));
-  *lo = _mm256_castsi256_ps(_mm256_slli_epi32(lo_bits, 16));
-  *hi = _mm256_castsi256_ps(_mm256_slli_epi32(hi_bits, 16));
-}
-
-inline void LoadRow16(const Float16Bits* b, __m256* lo, __m256* hi) {
-  *lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
-  *hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8)));
+// 16 consecutive B elements of row `b` as two fp32 vectors.
+template <typename T>
+inline void LoadRow16(const T* b, __m256* lo, __m256* hi) {
+  *lo = LoadWiden(b);
+  *hi = LoadWiden(b + 8);
 }
 
 // 6x16 tile: 12 accumulators, 2 B vectors and 1 broadcast = 15 of the 16 ymm registers.

@@ -12,24 +12,14 @@ namespace gemm_avx512 {
 constexpr int64_t kMr = 12;
 constexpr int64_t kNr = 32;
 #include "csrc/core/transpose_avx.inc"
+#include "csrc/core/widen_avx512.inc"
 #include "csrc/core/gemm_kernels.inc"
 
-inline void LoadRow32(const float* b, __m512* lo, __m512* hi) {
-  *lo = _mm512_loadu_ps(b);
-  *hi = _mm512_loadu_ps(b + 16);
-}
-
-inline void LoadRow32(const BFloat16Bits* b, __m512* lo, __m512* hi) {
-  // bf16 is the top half of an fp32: zero-extend to 32 bits and shift left by 16.
-  const __m256i lo_raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
-  const __m256i hi_raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-  *lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(lo_raw), 16));
-  *hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi_raw), 16));
-}
-
-inline void LoadRow32(const Float16Bits* b, __m512* lo, __m512* hi) {
-  *lo = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
-  *hi = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+// 32 consecutive B elements of row `b` as two fp32 vectors.
+template <typename T>
+inline void LoadRow32(const T* b, __m512* lo, __m512* hi) {
+  *lo = LoadWiden(b);
+  *hi = LoadWiden(b + 16);
 }
 
 // c + broadcast(*a) · b, the broadcast folded into the FMA's memory operand ({1to16}). GCC

@@ -23,12 +23,7 @@ inline Vec InRange(Vec x, Vec r, Vec lo, Vec hi) {
   return _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()), x, in);
 }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec LoadWiden(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec LoadWiden(const BFloat16Bits* p) {  // bf16 is the high half of an fp32
-  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
-}
-inline Vec LoadWiden(const Float16Bits* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#include "csrc/core/widen_avx2.inc"
 constexpr int64_t kAccumulatorRegisters = 8;  // of 16
 
 // Lane i of the result = the sum of v[i]'s 8 lanes: pairs interleaved and added within 128-bit

@@ -23,14 +23,7 @@ inline Vec InRange(Vec x, Vec r, Vec lo, Vec hi) {
   return _mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), in, x);
 }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec LoadWiden(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec LoadWiden(const BFloat16Bits* p) {  // bf16 is the high half of an fp32
-  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-}
-inline Vec LoadWiden(const Float16Bits* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+#include "csrc/core/widen_avx512.inc"
 constexpr int64_t kAccumulatorRegisters = 16;  // of 32
 
 // Lane i of the result = the sum of v[i]'s 16 lanes: pairs of vectors are interleaved and added
