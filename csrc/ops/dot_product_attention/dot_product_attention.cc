@@ -24,6 +24,7 @@
 #include "csrc/core/amx_gemm.h"
 #include "csrc/core/gemm.h"
 #include "csrc/core/isa.h"
+#include "csrc/core/large_buffer.h"
 #include "csrc/core/parallel.h"
 #include "csrc/core/softmax_kernels.h"
 #include "csrc/ops/dot_product_attention/attention_masks.h"
@@ -202,11 +203,11 @@ class KvTiles {
     tile_floats_ = as_a ? RoundUp(block, gemm.mr) * cols : block * RoundUp(cols, gemm.nr);
     if (!pack_all) return;
     const int64_t tiles = batch * kv_heads * tiles_per_head_;
-    data_.reset(new float[std::max<int64_t>(tiles * tile_floats_, 1)]);  // every used float is written below
+    data_ = LargeBuffer<float>(tiles * tile_floats_);
     ParallelFor(0, tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t head = i / tiles_per_head_, s0 = (i % tiles_per_head_) * block;
-        PackInto(head / kv_heads, head % kv_heads, s0, std::min(block, kv_len - s0), data_.get() + i * tile_floats_);
+        PackInto(head / kv_heads, head % kv_heads, s0, std::min(block, kv_len - s0), data_.data() + i * tile_floats_);
       }
     });
   }
@@ -217,8 +218,8 @@ class KvTiles {
   Panels Tile(int64_t b, int64_t kv_head, int64_t s0, int64_t keys, float* scratch) const {
     const float* data = scratch;
     int64_t depth_keys = keys;  // the keys a B panel holds
-    if (data_ != nullptr) {
-      data = data_.get() + ((b * x_.sizes[2] + kv_head) * tiles_per_head_ + s0 / block_) * tile_floats_;
+    if (data_.data() != nullptr) {
+      data = data_.data() + ((b * x_.sizes[2] + kv_head) * tiles_per_head_ + s0 / block_) * tile_floats_;
       depth_keys = std::min(block_, x_.sizes[1] - s0);
     } else {
       PackInto(b, kv_head, s0, keys, scratch);
@@ -241,7 +242,7 @@ class KvTiles {
   Tensor4View x_;
   int64_t block_, tiles_per_head_ = 0, tile_floats_ = 0;
   bool as_a_;
-  std::unique_ptr<float[]> data_;
+  LargeBuffer<float> data_;  // empty unless pack_all
 };
 
 // A fp32 tile x[p][i] (p < depth, ld floats apart) read in place as A panels: row i, depth p.
@@ -259,7 +260,7 @@ Panels PackedB(const float* x, int64_t depth, int64_t nr) { return {x, nr, depth
 //    read in whole tiles from any tile start, a multiple of 8);
 //  - kTransposed: [C][ld], ld that row count plus 32 (Vᵀ in Vᵀ·Pᵀ, Kᵀ in Kᵀ·dS: read 32 keys
 //    deep from any tile start).
-// Padding is zero, so every tile read stays in the copy and adds nothing.
+// Padding is the buffer's zeros, so every tile read stays in the copy and adds nothing.
 class AmxOperand {
  public:
   enum Layout { kRows, kTransposed };
@@ -269,14 +270,14 @@ class AmxOperand {
     ld_ = layout == kRows ? width : rows_ + 2 * kAmxTileRows;
     head_elements_ = layout == kRows ? rows_ * width : width * ld_;
     const int64_t heads = batch * kv_heads;
-    data_.reset(new uint16_t[std::max<int64_t>(heads * head_elements_, 1)]);
+    data_ = LargeBuffer<uint16_t>(heads * head_elements_);  // zeros: the padding stays so
     ParallelFor(0, heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t head = begin; head < end; ++head) Pack(head / kv_heads, head % kv_heads, head);
     });
   }
   // kRows: the rows from key s0 on; kTransposed: the columns from key s0 on. ld() apart.
   const uint16_t* At(int64_t b, int64_t kv_head, int64_t s0) const {
-    const uint16_t* head = data_.get() + (b * x_.sizes[2] + kv_head) * head_elements_;
+    const uint16_t* head = data_.data() + (b * x_.sizes[2] + kv_head) * head_elements_;
     return head + (layout_ == kRows ? s0 * ld_ : s0);
   }
   int64_t ld() const { return ld_; }
@@ -284,20 +285,15 @@ class AmxOperand {
  private:
   void Pack(int64_t b, int64_t kv_head, int64_t head) const {
     const int64_t kv_len = x_.sizes[1], width = x_.sizes[3];
-    uint16_t* dst = data_.get() + head * head_elements_;
+    uint16_t* dst = data_.data() + head * head_elements_;
     const uint16_t* src = static_cast<const uint16_t*>(ElementAddress(x_, b, 0, kv_head, 0));
     AmxCopyBf16(src, x_.strides[1], x_.strides[3], kv_len, width, layout_ == kTransposed, dst, ld_);
-    if (layout_ == kRows) {
-      std::fill(dst + kv_len * ld_, dst + head_elements_, uint16_t{0});
-      return;
-    }
-    for (int64_t c = 0; c < width; ++c) std::fill(dst + c * ld_ + kv_len, dst + (c + 1) * ld_, uint16_t{0});
   }
 
   Tensor4View x_;
   Layout layout_;
   int64_t rows_ = 0, ld_ = 0, head_elements_ = 0;
-  std::unique_ptr<uint16_t[]> data_;
+  LargeBuffer<uint16_t> data_;
 };
 
 // What a task's rows can see of kv tile [s0, s1).
@@ -1005,8 +1001,8 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
   // mr-row panels or 16-row AMX tiles; the padding rows only ever receive zeros).
   const int64_t acc_rows = d.kv_len + std::max(mr, kAmxTileRows);
   const int64_t heads = d.batch * d.kv_heads;
-  std::vector<float> dk_acc(splits * heads * acc_rows * ld_dk, 0.0f);
-  std::vector<float> dv_acc(splits * heads * acc_rows * ld_dv, 0.0f);
+  LargeBuffer<float> dk_acc(splits * heads * acc_rows * ld_dk);  // zeros
+  LargeBuffer<float> dv_acc(splits * heads * acc_rows * ld_dv);
   if (g.dbias != nullptr) {
     float* dbias = static_cast<float*>(g.dbias);
     std::fill(dbias, dbias + d.batch * d.q_heads * d.q_len * d.kv_len, 0.0f);
@@ -1041,7 +1037,7 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
     for (int64_t row = begin; row < end; ++row) {
       const int64_t head = row / d.kv_len, s = row % d.kv_len;
       const int64_t b = head / d.kv_heads, kv_head = head % d.kv_heads;
-      auto sum_splits = [&](const std::vector<float>& acc, int64_t ld, int64_t width) {
+      auto sum_splits = [&](const LargeBuffer<float>& acc, int64_t ld, int64_t width) {
         std::copy_n(acc.data() + (head * acc_rows + s) * ld, width, total.data());
         for (int64_t c = 1; c < splits; ++c) {
           const float* part = acc.data() + ((c * heads + head) * acc_rows + s) * ld;
