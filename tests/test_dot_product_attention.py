@@ -269,6 +269,20 @@ def test_gradients_match_float64_reference(option):
             assert rel_error(g, w) <= GRAD_TOLERANCE[dtype]
 
 
+def test_working_buffers_past_32_mib_match_float64_reference():
+    # S=9000, 8 kv heads of 128: the backward's dK/dV partial sums (~38 MiB each) pass 32 MiB,
+    # where LargeBuffer maps them itself (zeroed by the kernel) instead of taking them from malloc.
+    q, k, v = make_qkv(1, 96, 9000, 8, 8, 128, dtype=torch.float64, requires_grad=True)
+    out = dpa.reference(q, k, v)
+    dout = torch.randn_like(out)
+    want = (out,) + torch.autograd.grad(out, (q, k, v), dout)
+    low = [x.detach().float().requires_grad_(True) for x in (q, k, v)]
+    out = dpa.kernel(*low)
+    got = (out,) + torch.autograd.grad(out, low, dout.float())
+    for g, w in zip(got, want):
+        assert rel_error(g, w) <= GRAD_TOLERANCE[torch.float32]
+
+
 def test_gradient_of_logsumexp_alone(impl):
     q, k, v = make_qkv(1, 9, 11, 2, 1, 8, dtype=torch.float64, requires_grad=True)
     _, lse = impl(q, k, v, is_causal=True, return_residuals=True)

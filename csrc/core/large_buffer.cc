@@ -15,9 +15,9 @@ constexpr size_t kHugePage = size_t{2} << 20;
 
 }  // namespace
 
-LargeBufferBytes::LargeBufferBytes(size_t bytes) {
+LargeBufferBytes::LargeBufferBytes(size_t bytes, bool zeroed) {
 #if defined(__linux__)
-  if (bytes >= kHugePage) {
+  if (bytes > kMapThreshold) {
     // Anonymous mappings are zero-filled by the kernel on first touch: no memset pass. Over-map
     // by one huge page so the buffer can start on a 2 MiB boundary, where whole huge pages fit.
     const size_t length = (bytes + kHugePage - 1) / kHugePage * kHugePage + kHugePage;
@@ -33,7 +33,8 @@ LargeBufferBytes::LargeBufferBytes(size_t bytes) {
     }
   }
 #endif
-  data_ = std::calloc(bytes > 0 ? bytes : 1, 1);
+  if (bytes == 0) bytes = 1;
+  data_ = zeroed ? std::calloc(bytes, 1) : std::malloc(bytes);
   if (data_ == nullptr) throw std::bad_alloc();
 }
 

@@ -423,6 +423,7 @@ BackwardResult DotProductAttentionBackwardCpu(const AttentionArgs& a, const Grad
   KernelInputs in;
   FillKernelInputs(a, sig, &in);
   auto [dq, dk, dv, dbias] = EmptyGradients(a, grad.bias_requires_grad, sig);
+  for (const Tensor* x : {&dq, &dk, &dv}) AdviseHugePages(*x);
   DotProductAttentionGradParams g;
   g.forward = in.params;
   Tensor out_view = grad.out;  // read only; MutableTensor4View is the params' type for the output

@@ -203,7 +203,7 @@ class KvTiles {
     tile_floats_ = as_a ? RoundUp(block, gemm.mr) * cols : block * RoundUp(cols, gemm.nr);
     if (!pack_all) return;
     const int64_t tiles = batch * kv_heads * tiles_per_head_;
-    data_ = LargeBuffer<float>(tiles * tile_floats_);
+    data_ = LargeBuffer<float>(tiles * tile_floats_, LargeBuffer<float>::kUninitialized);  // all written below
     ParallelFor(0, tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t head = i / tiles_per_head_, s0 = (i % tiles_per_head_) * block;
@@ -260,7 +260,7 @@ Panels PackedB(const float* x, int64_t depth, int64_t nr) { return {x, nr, depth
 //    read in whole tiles from any tile start, a multiple of 8);
 //  - kTransposed: [C][ld], ld that row count plus 32 (Vᵀ in Vᵀ·Pᵀ, Kᵀ in Kᵀ·dS: read 32 keys
 //    deep from any tile start).
-// Padding is the buffer's zeros, so every tile read stays in the copy and adds nothing.
+// Padding is zero, so every tile read stays in the copy and adds nothing.
 class AmxOperand {
  public:
   enum Layout { kRows, kTransposed };
@@ -270,7 +270,7 @@ class AmxOperand {
     ld_ = layout == kRows ? width : rows_ + 2 * kAmxTileRows;
     head_elements_ = layout == kRows ? rows_ * width : width * ld_;
     const int64_t heads = batch * kv_heads;
-    data_ = LargeBuffer<uint16_t>(heads * head_elements_);  // zeros: the padding stays so
+    data_ = LargeBuffer<uint16_t>(heads * head_elements_, LargeBuffer<uint16_t>::kUninitialized);
     ParallelFor(0, heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t head = begin; head < end; ++head) Pack(head / kv_heads, head % kv_heads, head);
     });
@@ -288,6 +288,11 @@ class AmxOperand {
     uint16_t* dst = data_.data() + head * head_elements_;
     const uint16_t* src = static_cast<const uint16_t*>(ElementAddress(x_, b, 0, kv_head, 0));
     AmxCopyBf16(src, x_.strides[1], x_.strides[3], kv_len, width, layout_ == kTransposed, dst, ld_);
+    if (layout_ == kRows) {
+      std::fill(dst + kv_len * ld_, dst + head_elements_, uint16_t{0});
+      return;
+    }
+    for (int64_t c = 0; c < width; ++c) std::fill(dst + c * ld_ + kv_len, dst + (c + 1) * ld_, uint16_t{0});
   }
 
   Tensor4View x_;
@@ -1001,8 +1006,8 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
   // mr-row panels or 16-row AMX tiles; the padding rows only ever receive zeros).
   const int64_t acc_rows = d.kv_len + std::max(mr, kAmxTileRows);
   const int64_t heads = d.batch * d.kv_heads;
-  LargeBuffer<float> dk_acc(splits * heads * acc_rows * ld_dk);  // zeros
-  LargeBuffer<float> dv_acc(splits * heads * acc_rows * ld_dv);
+  LargeBuffer<float> dk_acc(splits * heads * acc_rows * ld_dk, LargeBuffer<float>::kZeroed);
+  LargeBuffer<float> dv_acc(splits * heads * acc_rows * ld_dv, LargeBuffer<float>::kZeroed);
   if (g.dbias != nullptr) {
     float* dbias = static_cast<float*>(g.dbias);
     std::fill(dbias, dbias + d.batch * d.q_heads * d.q_len * d.kv_len, 0.0f);
