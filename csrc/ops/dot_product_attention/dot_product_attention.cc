@@ -203,7 +203,8 @@ class KvTiles {
     tile_floats_ = as_a ? RoundUp(block, gemm.mr) * cols : block * RoundUp(cols, gemm.nr);
     if (!pack_all) return;
     const int64_t tiles = batch * kv_heads * tiles_per_head_;
-    data_ = LargeBuffer<float>(tiles * tile_floats_, LargeBuffer<float>::kUninitialized);  // all written below
+    // Every float a tile read uses is written below.
+    data_ = LargeBuffer<float>(tiles * tile_floats_, LargeBuffer<float>::kUninitialized);
     ParallelFor(0, tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t head = i / tiles_per_head_, s0 = (i % tiles_per_head_) * block;
