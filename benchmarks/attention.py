@@ -207,10 +207,11 @@ def run_decode(reps: int, read_gbps: float, l3_bytes: int, quick: bool) -> list[
 
 
 def peak_for(dtype: str, ceilings: dict) -> float:
-    """The compute ceiling of a row: the AMX tile rate for bf16 where the CPU has AMX (both
-    tokamax's amx tier and SDPA's oneDNN use it), else the fp32 FMA peak."""
-    if dtype == "bfloat16" and ceilings["amx_bf16_gflops"] > 0:
-        return ceilings["amx_bf16_gflops"]
+    """The compute ceiling of a row: for bf16 the rate of the tier's bf16 product engine where it
+    has one (AMX tiles, or vdpbf16ps; SDPA's oneDNN uses the same units), else the fp32 FMA
+    peak."""
+    if dtype == "bfloat16" and ceilings["bf16_gflops"] > 0:
+        return ceilings["bf16_gflops"]
     return ceilings["fma_gflops"]
 
 
@@ -224,7 +225,7 @@ def main() -> None:
     print(f"machine: {info['cpu']} ({info['device_kind']}), {info['threads']} threads, torch {info['torch']}")
     print(f"ceilings (measured now): fp32 FMA peak {ceilings['fma_gflops']:.1f} GFLOP/s ({ceilings['isa']}), "
           f"{ceilings['fma_avx2_gflops']:.1f} with AVX2; read bandwidth {ceilings['read_gbps']:.1f} GB/s; "
-          f"bf16 AMX tiles {ceilings['amx_bf16_gflops']:.1f} GFLOP/s (bf16 rows' %peak is of this when > 0)")
+          f"bf16 products {ceilings['bf16_gflops']:.1f} GFLOP/s (bf16 rows' %peak is of this when > 0)")
     header = f"{'case':<25}{'dtype':<10}{'pass':<9}{'impl':<9}{'ms':>9}{'GFLOP/s':>9}{'%peak':>7}{'peak MiB':>10}"
     print(header)
     print("-" * len(header))

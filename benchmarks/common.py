@@ -44,14 +44,15 @@ def time_interleaved(fns, *, warmup: int = 1, reps: int = 5) -> list[dict]:
 
 
 def measure_ceilings() -> dict:
-    """fp32 FMA peak (active ISA tier, and 256-bit AVX2), DRAM read bandwidth and, on the amx
-    tier, the bf16 AMX tile rate (0 elsewhere), all threads."""
+    """fp32 FMA peak (active ISA tier, and 256-bit AVX2), DRAM read bandwidth and the rate of the
+    tier's bf16 product engine (AMX tiles on amx, vdpbf16ps on avx512bf16, 0 elsewhere), all
+    threads."""
     buffer = torch.ones(2**26)  # 256 MiB, far past the last-level cache of the dev machine
     best = [0.0, 0.0, 0.0, 0.0]
     for _ in range(3):
         probe = torch.ops.tokamax._measure_ceilings(buffer, 100_000_000)
         best = [max(a, b) for a, b in zip(best, probe)]
-    return {"fma_gflops": best[0], "fma_avx2_gflops": best[1], "read_gbps": best[2], "amx_bf16_gflops": best[3],
+    return {"fma_gflops": best[0], "fma_avx2_gflops": best[1], "read_gbps": best[2], "bf16_gflops": best[3],
             "isa": tokamax_torch.device_kind().rsplit("_", 1)[1]}
 
 

@@ -39,7 +39,7 @@ def test_device_kind_is_normalised_and_stable():
     kind = tokamax_torch.device_kind()
     vendor, *_, isa = kind.split("_")
     assert kind == kind.lower() and all(part.isalnum() for part in kind.split("_"))
-    assert vendor in ("amd", "intel", "arm", "unknown") and isa in ("scalar", "avx2", "avx512", "amx")
+    assert vendor in ("amd", "intel", "arm", "unknown") and isa in ("scalar", "avx2", "avx512", "avx512bf16", "amx")
     assert tokamax_torch.device_kind() == tokamax_torch.device_kind(torch.device("cpu")) == kind
     with pytest.raises(NotImplementedError, match="only CPU"):
         tokamax_torch.device_kind("meta")

@@ -81,7 +81,7 @@ def test_matches_float64_oracle(impl, dtype, form, m, k, n, g):
     assert_matches_oracle(out, lhs, rhs, gs, form)
 
 
-ISA_TIERS = ["scalar", "avx2", "avx512", "amx"]
+ISA_TIERS = ["scalar", "avx2", "avx512", "avx512bf16", "amx"]
 
 
 def _supported_tiers():
@@ -173,7 +173,7 @@ def test_zero_sizes(impl, m, k, n, g):
 def test_unknown_isa_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TOKAMAX_CPU_ISA", "sse9")
     lhs, rhs, gs = make_operands(rd.DEFAULT, 8, 4, 4, 2, torch.float32)
-    with pytest.raises(RuntimeError, match="TOKAMAX_CPU_ISA: expected one of 'scalar', 'avx2', 'avx512', 'amx', got 'sse9'"):
+    with pytest.raises(RuntimeError, match="TOKAMAX_CPU_ISA: expected one of 'scalar', 'avx2', 'avx512', 'avx512bf16', 'amx', got 'sse9'"):
         rd.kernel(lhs, rhs, gs)
 
 

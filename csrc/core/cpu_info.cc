@@ -35,6 +35,7 @@ CpuInfo Detect() {
   }
   if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) {
     info.avx512bw = info.avx512f && (ebx & (1u << 30)) != 0;
+    info.avx512vl = info.avx512f && (ebx & (1u << 31)) != 0;
     info.amx_bf16 = (edx & (1u << 22)) != 0;
     info.amx_tile = (edx & (1u << 24)) != 0;
     if (eax >= 1 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) info.avx512bf16 = info.avx512f && (eax & (1u << 5)) != 0;

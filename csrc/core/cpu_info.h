@@ -15,6 +15,7 @@ struct CpuInfo {
   bool f16c = false;
   bool avx512f = false;
   bool avx512bw = false;
+  bool avx512vl = false;
   bool avx512bf16 = false;
   bool amx_tile = false;  // the CPU's; the OS must also grant the tile state (isa.h)
   bool amx_bf16 = false;

@@ -1,7 +1,6 @@
 // The GEMM driver: cache blocking and the loops around the per-ISA micro-kernels.
 #include "csrc/core/gemm.h"
 
-#include "csrc/core/amx_gemm.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -16,18 +15,27 @@ const GemmKernels& GemmKernelsScalar();
 const GemmKernels& GemmKernelsAvx2();
 const GemmKernels& GemmKernelsAvx512();
 
-const GemmKernels& GemmKernelsAmx() {
-  static const GemmKernels kernels = [] {
-    GemmKernels table = GemmKernelsAvx512();
-    table.amx_bf16 = true;
-    return table;
-  }();
-  return kernels;
+namespace {
+
+// The avx512 table with the tier's bf16 product engine.
+GemmKernels WithBf16Products(Isa isa) {
+  GemmKernels table = GemmKernelsAvx512();
+  table.bf16 = GetBf16Products(isa);
+  return table;
 }
+
+}  // namespace
 
 const GemmKernels& GetGemmKernels(Isa isa) {
   switch (isa) {
-    case Isa::kAmx: return GemmKernelsAmx();
+    case Isa::kAmx: {
+      static const GemmKernels amx = WithBf16Products(Isa::kAmx);
+      return amx;
+    }
+    case Isa::kAvx512Bf16: {
+      static const GemmKernels dot = WithBf16Products(Isa::kAvx512Bf16);
+      return dot;
+    }
     case Isa::kAvx512: return GemmKernelsAvx512();
     case Isa::kAvx2: return GemmKernelsAvx2();
     case Isa::kScalar: break;
@@ -62,7 +70,7 @@ class ScratchBuffer {
 
 struct GemmScratch {
   ScratchBuffer a_pack, b_pack, b_tail, acc;
-  std::vector<uint16_t> a_bf16, b_vnni, rows_bf16;  // the amx path's operands
+  std::vector<uint16_t> a_bf16, b_vnni, rows_bf16;  // the bf16 engines' operands
 };
 
 GemmScratch& ThreadScratch() {
@@ -110,23 +118,23 @@ void GemmRegionFloat64(const ConstMatrix& a, const ConstMatrix& b, const Mutable
 }
 
 // A(row0 + i, k0 + p) for i < rows, p < depth as row-major bf16 [rows rounded up to 16][ld =
-// depth rounded up to 32], zero-padded: the A operand of AmxGemmBf16.
+// depth rounded up to 32], zero-padded: the A operand of a Bf16GemmFn.
 void PackABf16(const ConstMatrix& a, int64_t row0, int64_t rows, int64_t k0, int64_t depth, uint16_t* dst,
                int64_t ld) {
-  std::fill(dst, dst + RoundUp(rows, kAmxTileRows) * ld, uint16_t{0});
+  std::fill(dst, dst + RoundUp(rows, kBf16TileRows) * ld, uint16_t{0});
   const uint16_t* origin = static_cast<const uint16_t*>(a.data) + row0 * a.row_stride + k0 * a.col_stride;
-  AmxCopyBf16(origin, a.row_stride, a.col_stride, rows, depth, /*transpose=*/false, dst, ld);
+  CopyBf16(origin, a.row_stride, a.col_stride, rows, depth, /*transpose=*/false, dst, ld);
 }
 
-// B(k0 + p, col0 + j) for p < depth, j < cols in the VNNI panels of AmxGemmBf16, `padded_depth`
+// B(k0 + p, col0 + j) for p < depth, j < cols in the VNNI panels of bf16_gemm.h, `padded_depth`
 // deep (a multiple of 32) and cols rounded up to 16 wide, zero-padded.
 void PackBVnni(const ConstMatrix& b, int64_t k0, int64_t depth, int64_t padded_depth, int64_t col0, int64_t cols,
                uint16_t* dst, std::vector<uint16_t>& rows) {
   const uint16_t* origin = static_cast<const uint16_t*>(b.data) + k0 * b.row_stride + col0 * b.col_stride;
-  const int64_t padded_cols = RoundUp(cols, kAmxTileRows);
+  const int64_t padded_cols = RoundUp(cols, kBf16TileRows);
   auto row = [&](int64_t p) { return p < depth ? origin + p * b.row_stride : nullptr; };
   if (b.col_stride == 1 && cols == padded_cols) {  // row pairs straight from B's rows
-    for (int64_t p = 0; p < padded_depth; p += 2) AmxPackVnniPair(row(p), row(p + 1), p, padded_depth, cols, dst);
+    for (int64_t p = 0; p < padded_depth; p += 2) PackVnniPair(row(p), row(p + 1), p, padded_depth, cols, dst);
     return;
   }
   if (b.col_stride == 1) {  // the same through a padded copy of each pair (a last partial panel)
@@ -136,50 +144,50 @@ void PackBVnni(const ConstMatrix& b, int64_t k0, int64_t depth, int64_t padded_d
         if (p + r < depth) std::memcpy(rows.data() + r * padded_cols, row(p + r), cols * sizeof(uint16_t));
         else std::fill(rows.data() + r * padded_cols, rows.data() + (r + 1) * padded_cols, uint16_t{0});
       }
-      AmxPackVnniPair(rows.data(), rows.data() + padded_cols, p, padded_depth, padded_cols, dst);
+      PackVnniPair(rows.data(), rows.data() + padded_cols, p, padded_depth, padded_cols, dst);
     }
     return;
   }
   // Columns contiguous along the depth (B a transposed view) or any strides: B's columns, 16 at
   // a time, as the vectors of one panel.
-  for (int64_t q = 0; q * kAmxTileRows < padded_cols; ++q) {
-    const uint16_t* columns[kAmxTileRows] = {};
-    for (int64_t j = 0; j < kAmxTileRows; ++j) {
-      const int64_t col = q * kAmxTileRows + j;
+  for (int64_t q = 0; q * kBf16TileRows < padded_cols; ++q) {
+    const uint16_t* columns[kBf16TileRows] = {};
+    for (int64_t j = 0; j < kBf16TileRows; ++j) {
+      const int64_t col = q * kBf16TileRows + j;
       if (col < cols) columns[j] = origin + col * b.col_stride;
     }
-    AmxPackVnniFromBf16Vectors(columns, b.row_stride, depth, padded_depth, dst + q * padded_depth * kAmxTileRows);
+    PackVnniFromBf16Vectors(columns, b.row_stride, depth, padded_depth, dst + q * padded_depth * kBf16TileRows);
   }
 }
 
-// GemmRegion on the tile unit for bf16 A and B: the same loops (block_n columns, block_k deep
+// GemmRegion on the tier's bf16 product engine for bf16 A and B: the same loops (block_n columns, block_k deep
 // slices, block_m rows), bf16 operands instead of fp32 panels, fp32 accumulation in the tile
 // buffer, converted into C by the tier's store_c.
-void GemmRegionAmx(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c,
-                   int64_t m0, int64_t m1, int64_t n0, int64_t n1, const GemmBlocking& blocking) {
+void GemmRegionBf16(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c,
+                    int64_t m0, int64_t m1, int64_t n0, int64_t n1, const GemmBlocking& blocking) {
   GemmScratch& scratch = ThreadScratch();
-  AmxTileScope tiles;
+  const Bf16ProductScope scope(kernels.bf16);
   const int64_t depth_total = a.cols;
   const int64_t rows = m1 - m0;
-  const int64_t rows_padded = RoundUp(rows, kAmxTileRows);
-  const int64_t block_m = RoundUp(blocking.block_m, kAmxTileRows);
-  const int64_t block_k = RoundUp(blocking.block_k, kAmxTileDepth);
+  const int64_t rows_padded = RoundUp(rows, kBf16TileRows);
+  const int64_t block_m = RoundUp(blocking.block_m, kBf16TileRows);
+  const int64_t block_k = RoundUp(blocking.block_k, kBf16TileDepth);
   for (int64_t jc = n0; jc < n1; jc += blocking.block_n) {
     const int64_t cols = std::min(blocking.block_n, n1 - jc);
-    const int64_t cols_padded = RoundUp(cols, kAmxTileRows);
+    const int64_t cols_padded = RoundUp(cols, kBf16TileRows);
     float* acc = scratch.acc.Get(rows_padded * cols_padded);
     if (depth_total == 0) std::memset(acc, 0, sizeof(float) * rows_padded * cols_padded);
     for (int64_t pc = 0; pc < depth_total; pc += block_k) {
       const int64_t depth = std::min(block_k, depth_total - pc);
-      const int64_t padded_depth = RoundUp(depth, kAmxTileDepth);
+      const int64_t padded_depth = RoundUp(depth, kBf16TileDepth);
       scratch.b_vnni.resize(padded_depth * cols_padded);
       PackBVnni(b, pc, depth, padded_depth, jc, cols, scratch.b_vnni.data(), scratch.rows_bf16);
       for (int64_t ic = m0; ic < m1; ic += block_m) {
         const int64_t block_rows = std::min(block_m, m1 - ic);
-        const int64_t tile_rows = RoundUp(block_rows, kAmxTileRows);
+        const int64_t tile_rows = RoundUp(block_rows, kBf16TileRows);
         scratch.a_bf16.resize(tile_rows * padded_depth);
         PackABf16(a, ic, block_rows, pc, depth, scratch.a_bf16.data(), padded_depth);
-        AmxGemmBf16(tile_rows, cols_padded, padded_depth, scratch.a_bf16.data(), padded_depth, scratch.b_vnni.data(),
+        kernels.bf16.gemm(tile_rows, cols_padded, padded_depth, scratch.a_bf16.data(), padded_depth, scratch.b_vnni.data(),
                     acc + (ic - m0) * cols_padded, cols_padded, pc > 0, 1.0f);
       }
     }
@@ -197,8 +205,8 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
     GemmRegionFloat64(a, b, c, m0, m1, n0, n1);
     return;
   }
-  if (kernels.amx_bf16 && a.dtype == DType::kBFloat16 && b.dtype == DType::kBFloat16) {
-    GemmRegionAmx(kernels, a, b, c, m0, m1, n0, n1, blocking);
+  if (kernels.bf16 && a.dtype == DType::kBFloat16 && b.dtype == DType::kBFloat16) {
+    GemmRegionBf16(kernels, a, b, c, m0, m1, n0, n1, blocking);
     return;
   }
   GemmScratch& scratch = ThreadScratch();

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "csrc/core/bf16_gemm.h"
 #include "csrc/core/dtype.h"
 #include "csrc/core/isa.h"
 
@@ -70,16 +71,16 @@ struct GemmKernels {
   // C(row0 + i, col0 + j) = acc[i * ld + j], converted to C's dtype.
   void (*store_c)(const float* acc, int64_t ld, int64_t rows, int64_t cols, const MutableMatrix& c,
                   int64_t row0, int64_t col0);
-  // The amx tier: bf16 x bf16 products run on the AMX tile unit (amx_gemm.h) instead of the
-  // fp32 micro-kernels; the tables are otherwise the avx512 tier's.
-  bool amx_bf16 = false;
+  // The avx512bf16 and amx tiers: bf16 x bf16 products run on the tier's bf16 product engine
+  // (bf16_gemm.h) instead of the fp32 micro-kernels; the tables are otherwise the avx512 tier's.
+  Bf16Products bf16;
 };
 
 const GemmKernels& GetGemmKernels(Isa isa);
 
 // Writes C[m0:m1, n0:n1] = A[m0:m1, :] · B[:, n0:n1] (A is M x K, B is K x N, C is M x N).
-// K == 0 writes zeros. With `amx_bf16` and bf16 A and B, A and B are copied as bf16 (B in VNNI
-// panels) and multiplied on the tile unit, in the same block_k slices. Runs on the calling thread with thread-local scratch. float64 operands
+// K == 0 writes zeros. With a `bf16` engine and bf16 A and B, A and B are copied as bf16 (B in
+// VNNI panels) and multiplied by the engine, in the same block_k slices. Runs on the calling thread with thread-local scratch. float64 operands
 // (all three) take a plain double-precision loop instead of the packed fp32 path.
 void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b,
                 const MutableMatrix& c, int64_t m0, int64_t m1, int64_t n0, int64_t n1,

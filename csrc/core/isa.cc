@@ -31,6 +31,7 @@ const char* IsaName(Isa isa) {
     case Isa::kScalar: return "scalar";
     case Isa::kAvx2: return "avx2";
     case Isa::kAvx512: return "avx512";
+    case Isa::kAvx512Bf16: return "avx512bf16";
     case Isa::kAmx: return "amx";
   }
   return "unknown";
@@ -41,15 +42,16 @@ bool IsaSupported(Isa isa, const CpuInfo& info) {
     case Isa::kScalar: return true;
     case Isa::kAvx2: return info.avx2 && info.fma && info.f16c;
     case Isa::kAvx512: return IsaSupported(Isa::kAvx2, info) && info.avx512f;
+    case Isa::kAvx512Bf16: return IsaSupported(Isa::kAvx512, info) && info.avx512bw && info.avx512vl && info.avx512bf16;
     case Isa::kAmx:
-      return IsaSupported(Isa::kAvx512, info) && info.avx512bw && info.avx512bf16 && info.amx_tile &&
-             info.amx_bf16 && TileDataPermitted();
+      return IsaSupported(Isa::kAvx512Bf16, info) && info.amx_tile && info.amx_bf16 && TileDataPermitted();
   }
   return false;
 }
 
 Isa BestIsa(const CpuInfo& info) {
   if (IsaSupported(Isa::kAmx, info)) return Isa::kAmx;
+  if (IsaSupported(Isa::kAvx512Bf16, info)) return Isa::kAvx512Bf16;
   if (IsaSupported(Isa::kAvx512, info)) return Isa::kAvx512;
   return IsaSupported(Isa::kAvx2, info) ? Isa::kAvx2 : Isa::kScalar;
 }
@@ -61,16 +63,16 @@ Status ActiveIsa(Isa* isa) {
     *isa = BestIsa(info);
     return Status::Ok();
   }
-  for (Isa candidate : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx}) {
+  for (Isa candidate : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kAmx}) {
     if (std::strcmp(forced, IsaName(candidate)) != 0) continue;
     if (!IsaSupported(candidate, info)) {
       return Status::Error(std::string("TOKAMAX_CPU_ISA=") + forced +
-                           " is not supported by this CPU (avx2 needs AVX2, FMA and F16C; avx512 also AVX-512F; amx also AVX-512BW/BF16, AMX-TILE/BF16 and the OS tile state)");
+                           " is not supported by this CPU (avx2 needs AVX2, FMA and F16C; avx512 also AVX-512F; avx512bf16 also AVX-512BW/VL/BF16; amx also AMX-TILE/BF16 and the OS tile state)");
     }
     *isa = candidate;
     return Status::Ok();
   }
-  return Status::Error(std::string("TOKAMAX_CPU_ISA: expected one of 'scalar', 'avx2', 'avx512', 'amx', got '") +
+  return Status::Error(std::string("TOKAMAX_CPU_ISA: expected one of 'scalar', 'avx2', 'avx512', 'avx512bf16', 'amx', got '") +
                        forced + "'");
 }
 

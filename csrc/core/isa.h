@@ -9,10 +9,12 @@
 
 namespace tokamax {
 
-// kAmx is avx512 plus the AMX tile unit for bf16 products (AVX-512BW/BF16, AMX-TILE/BF16, and
-// the OS's permission for the tile data state, requested once per process on first query).
-// Ops without an AMX path run their avx512 kernels on it.
-enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+// kAvx512Bf16 is avx512 plus bf16 products on the AVX512-BF16 dot instruction (AVX-512BW/VL/
+// BF16: Zen 4 and later, Cooper Lake). kAmx is that plus the AMX tile unit for the products
+// (AMX-TILE/BF16, and the OS's permission for the tile data state, requested once per process
+// on first query). Both share the bf16 operand format (bf16_gemm.h); ops without a bf16
+// product path run their avx512 kernels on them.
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
 
 const char* IsaName(Isa isa);
 bool IsaSupported(Isa isa, const CpuInfo& info);

@@ -9,9 +9,10 @@ namespace tokamax {
 double FmaPeakAvx2(int64_t iterations);
 double FmaPeakAvx512(int64_t iterations);
 double AmxBf16Peak(int64_t iterations);
+double DotBf16Peak(int64_t iterations);
 
 double MeasureFmaPeakGflops(Isa isa, int64_t iterations) {
-  if (isa == Isa::kAvx512 || isa == Isa::kAmx) return FmaPeakAvx512(iterations);  // fp32 FMA peak
+  if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16 || isa == Isa::kAmx) return FmaPeakAvx512(iterations);  // fp32 FMA peak
   if (isa == Isa::kAvx2) return FmaPeakAvx2(iterations);
   // Scalar tier: 12 independent scalar chains.
   float acc[12];
@@ -26,8 +27,10 @@ double MeasureFmaPeakGflops(Isa isa, int64_t iterations) {
   return static_cast<double>(iterations) * 12 * 2 / seconds * 1e-9;
 }
 
-double MeasureAmxBf16PeakGflops(int64_t iterations) {
-  return IsaSupported(Isa::kAmx, GetCpuInfo()) ? AmxBf16Peak(iterations) : 0.0;
+double MeasureBf16ProductPeakGflops(Isa isa, int64_t iterations) {
+  if (isa == Isa::kAmx) return AmxBf16Peak(iterations);
+  if (isa == Isa::kAvx512Bf16) return DotBf16Peak(iterations);
+  return 0.0;
 }
 
 double MeasureFmaPeakAvx512Gflops(int64_t iterations) {

@@ -12,9 +12,10 @@ namespace tokamax {
 double MeasureFmaPeakGflops(Isa isa, int64_t iterations);
 // GFLOP/s with 512-bit vectors, or 0 when the CPU has no AVX-512F.
 double MeasureFmaPeakAvx512Gflops(int64_t iterations);
-// GFLOP/s of bf16 AMX tile products (fp32 accumulation) on the calling thread, operands
-// loaded from L1 each step; 0 unless the amx tier is supported.
-double MeasureAmxBf16PeakGflops(int64_t iterations);
+// GFLOP/s of `isa`'s bf16 product engine (bf16_gemm.h, fp32 accumulation) on the calling
+// thread: AMX tile products with operands loaded from L1 each step (amx), or independent
+// vdpbf16ps chains (avx512bf16); 0 for tiers without one. `isa` must be supported.
+double MeasureBf16ProductPeakGflops(Isa isa, int64_t iterations);
 // GB/s reading `bytes` of `buffer` once (sums into a sink so the reads cannot be elided).
 double MeasureReadBandwidthGbps(const float* buffer, int64_t count);
 

@@ -92,7 +92,7 @@ TEST_P(RowDotsTest, DotsDoNotDependOnHowKeysAreGrouped) {
 
 INSTANTIATE_TEST_SUITE_P(
     AllTiers, RowDotsTest,
-    ::testing::Combine(::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx),
+    ::testing::Combine(::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kAmx),
                        ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16)),
     [](const auto& info) {
       return std::string(IsaName(std::get<0>(info.param))) + "_" + DTypeName(std::get<1>(info.param));

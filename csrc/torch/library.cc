@@ -39,7 +39,7 @@ std::vector<std::string> CpuDescription() {
 
 // Ceilings for benchmarks, measured on every torch thread at once:
 // [fp32 FMA GFLOP/s with the active tier's vectors, with 256-bit AVX2 vectors (0 if absent),
-//  read GB/s of `buffer`, bf16 AMX tile GFLOP/s (0 without the amx tier)].
+//  read GB/s of `buffer`, bf16 product GFLOP/s of the tier's engine (0 without one)].
 std::vector<double> MeasureCeilings(const at::Tensor& buffer, int64_t fma_iterations) {
   TORCH_CHECK(buffer.scalar_type() == at::kFloat && buffer.is_contiguous() && buffer.device().is_cpu(),
               "_measure_ceilings: buffer must be a contiguous CPU float32 tensor");
@@ -47,7 +47,7 @@ std::vector<double> MeasureCeilings(const at::Tensor& buffer, int64_t fma_iterat
   const Status status = ActiveIsa(&isa);
   TORCH_CHECK(status.ok(), status.message());
   const int64_t threads = at::get_num_threads();
-  std::vector<double> fma(threads), fma256(threads), bandwidth(threads), amx(threads);
+  std::vector<double> fma(threads), fma256(threads), bandwidth(threads), bf16(threads);
   const int64_t chunk = buffer.numel() / threads;
   const float* data = buffer.const_data_ptr<float>();
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
@@ -59,20 +59,20 @@ std::vector<double> MeasureCeilings(const at::Tensor& buffer, int64_t fma_iterat
     }
   });
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) amx[t] = MeasureAmxBf16PeakGflops(fma_iterations / 64);
+    for (int64_t t = begin; t < end; ++t) bf16[t] = MeasureBf16ProductPeakGflops(isa, isa == Isa::kAmx ? fma_iterations / 64 : fma_iterations);
   });
   const auto start = std::chrono::steady_clock::now();
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) bandwidth[t] = MeasureReadBandwidthGbps(data + t * chunk, chunk);
   });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  double fma_total = 0.0, fma256_total = 0.0, amx_total = 0.0;
+  double fma_total = 0.0, fma256_total = 0.0, bf16_total = 0.0;
   for (int64_t t = 0; t < threads; ++t) {
     fma_total += fma[t];
     fma256_total += fma256[t];
-    amx_total += amx[t];
+    bf16_total += bf16[t];
   }
-  return {fma_total, fma256_total, static_cast<double>(chunk * threads) * 4 / seconds * 1e-9, amx_total};
+  return {fma_total, fma256_total, static_cast<double>(chunk * threads) * 4 / seconds * 1e-9, bf16_total};
 }
 
 }  // namespace

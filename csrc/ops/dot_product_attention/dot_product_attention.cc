@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "csrc/core/amx_gemm.h"
+#include "csrc/core/bf16_gemm.h"
 #include "csrc/core/gemm.h"
 #include "csrc/core/isa.h"
 #include "csrc/core/large_buffer.h"
@@ -102,7 +102,7 @@ void StoreRow(const MutableTensor4View& view, int64_t i0, int64_t i1, int64_t i2
   });
 }
 
-// Grow-only per-thread scratch (fp32, or bf16 for the amx operands); resized, never shrunk, so
+// Grow-only per-thread scratch (fp32, or bf16 for the bf16 engines' operands); resized, never shrunk, so
 // steady-state calls do not allocate.
 template <typename T>
 T* Scratch(std::vector<T>& buffer, int64_t count) {
@@ -149,17 +149,17 @@ void GatherRows(const Tensor4View& x, const TaskRows& rows, int64_t cols, float 
 }
 
 // B(h, r) = X[row r][h] for the task's rows of a bf16 X (q or dout), zero for count <= r <
-// cols: X's rows transposed into the VNNI panels of amx_gemm.h, depth X's head dim (even). Each
+// cols: X's rows transposed into the VNNI panels of bf16_gemm.h, depth X's head dim (even). Each
 // 16 rows are gathered contiguous (read whole, once), then transposed as 32-bit pairs; exact.
 void PackRowsVnni(const Tensor4View& x, const TaskRows& rows, int64_t cols, uint16_t* dst) {
   const int64_t depth = x.sizes[3];
-  for (int64_t r0 = 0; r0 < cols; r0 += kAmxTileRows) {
-    const uint16_t* vectors[kAmxTileRows] = {};
-    for (int64_t j = 0; j < kAmxTileRows && r0 + j < rows.count(); ++j) {
+  for (int64_t r0 = 0; r0 < cols; r0 += kBf16TileRows) {
+    const uint16_t* vectors[kBf16TileRows] = {};
+    for (int64_t j = 0; j < kBf16TileRows && r0 + j < rows.count(); ++j) {
       const int64_t r = r0 + j;
       vectors[j] = static_cast<const uint16_t*>(ElementAddress(x, rows.b, rows.t(r), rows.n(r), 0));
     }
-    AmxPackVnniFromBf16Vectors(vectors, x.strides[3], depth, depth, dst + r0 * depth);
+    PackVnniFromBf16Vectors(vectors, x.strides[3], depth, depth, dst + r0 * depth);
   }
 }
 
@@ -255,20 +255,20 @@ Panels PackedA(const float* x, int64_t depth, int64_t mr) { return {x, mr, mr * 
 // Packed B panels of `depth` (pack_b's layout).
 Panels PackedB(const float* x, int64_t depth, int64_t nr) { return {x, nr, depth * nr}; }
 
-// A bf16 K or V of every (batch, kv head) as an AMX A operand, copied once per call (O(S)
+// A bf16 K or V of every (batch, kv head) as an A operand of the bf16 product engine (bf16_gemm.h), copied once per call (O(S)
 // memory), in one of two layouts:
 //  - kRows: row-major [S + 16 rounded up to 16][C] (K in K·Qᵀ, V in V·dOᵀ: 16 keys per tile,
 //    read in whole tiles from any tile start, a multiple of 8);
 //  - kTransposed: [C][ld], ld that row count plus 32 (Vᵀ in Vᵀ·Pᵀ, Kᵀ in Kᵀ·dS: read 32 keys
 //    deep from any tile start).
 // Padding is zero, so every tile read stays in the copy and adds nothing.
-class AmxOperand {
+class Bf16Operand {
  public:
   enum Layout { kRows, kTransposed };
-  AmxOperand(const Tensor4View& x, Layout layout) : x_(x), layout_(layout) {
+  Bf16Operand(const Tensor4View& x, Layout layout) : x_(x), layout_(layout) {
     const int64_t batch = x.sizes[0], kv_len = x.sizes[1], kv_heads = x.sizes[2], width = x.sizes[3];
-    rows_ = RoundUp(kv_len + kAmxTileRows, kAmxTileRows);
-    ld_ = layout == kRows ? width : rows_ + 2 * kAmxTileRows;
+    rows_ = RoundUp(kv_len + kBf16TileRows, kBf16TileRows);
+    ld_ = layout == kRows ? width : rows_ + 2 * kBf16TileRows;
     head_elements_ = layout == kRows ? rows_ * width : width * ld_;
     const int64_t heads = batch * kv_heads;
     data_ = LargeBuffer<uint16_t>(heads * head_elements_, LargeBuffer<uint16_t>::kUninitialized);
@@ -288,7 +288,7 @@ class AmxOperand {
     const int64_t kv_len = x_.sizes[1], width = x_.sizes[3];
     uint16_t* dst = data_.data() + head * head_elements_;
     const uint16_t* src = static_cast<const uint16_t*>(ElementAddress(x_, b, 0, kv_head, 0));
-    AmxCopyBf16(src, x_.strides[1], x_.strides[3], kv_len, width, layout_ == kTransposed, dst, ld_);
+    CopyBf16(src, x_.strides[1], x_.strides[3], kv_len, width, layout_ == kTransposed, dst, ld_);
     if (layout_ == kRows) {
       std::fill(dst + kv_len * ld_, dst + head_elements_, uint16_t{0});
       return;
@@ -387,7 +387,7 @@ void ForEachVisibleTile(const AttentionMasks& m, RowMasks& rm, int64_t b, int64_
 struct Kernels {
   const GemmKernels* gemm;
   const SoftmaxKernels* softmax;
-  bool amx = false;  // the amx tier: bf16 products may run on the tile unit (amx_gemm.h)
+  Bf16Products bf16;  // the tier's bf16 product engine, if it has one (bf16_gemm.h)
 };
 
 Status GetKernels(Kernels* kernels) {
@@ -396,7 +396,7 @@ Status GetKernels(Kernels* kernels) {
   if (!status.ok()) return status;
   kernels->gemm = &GetGemmKernels(isa);
   kernels->softmax = &GetSoftmaxKernels(isa);
-  kernels->amx = isa == Isa::kAmx;
+  kernels->bf16 = GetBf16Products(isa);
   return Status::Ok();
 }
 
@@ -447,7 +447,7 @@ struct SplitPartials {
 
 struct ForwardScratch {
   std::vector<float> q_panels, q_rows, k_panels, st, v_panels, acc, max, sum, sub, alpha, tile_max, out_rows;
-  std::vector<uint16_t> q_vnni, p_vnni;  // amx operands
+  std::vector<uint16_t> q_vnni, p_vnni;  // bf16 engine operands
   RowMasks row_masks;
 };
 
@@ -458,16 +458,17 @@ bool UseRowDots(const DotProductAttentionParams& p, int64_t q_blocks, int64_t ro
   return q_blocks == 1 && rows <= kMaxRowDotRows && p.k.strides[3] == 1 && p.v.strides[3] == 1;
 }
 
-// The AMX forward takes bf16 q, k and v whose head dims fit whole tiles; anything else keeps
+// The bf16 product engine (AMX tiles or vdpbf16ps) takes bf16 q, k and v whose head dims fit whole
+// tiles; anything else keeps
 // the fp32 micro-kernels.
-bool UseAmx(const DotProductAttentionParams& p, const Kernels& k) {
-  return k.amx && p.q.dtype == DType::kBFloat16 && p.k.dtype == DType::kBFloat16 && p.v.dtype == DType::kBFloat16 &&
-         p.q.sizes[3] % kAmxTileDepth == 0 && p.v.sizes[3] % kAmxTileRows == 0;
+bool UseBf16Products(const DotProductAttentionParams& p, const Kernels& k) {
+  return k.bf16 && p.q.dtype == DType::kBFloat16 && p.k.dtype == DType::kBFloat16 && p.v.dtype == DType::kBFloat16 &&
+         p.q.sizes[3] % kBf16TileDepth == 0 && p.v.sizes[3] % kBf16TileRows == 0;
 }
 
-// The AMX backward also multiplies over Hv (V·dOᵀ), so Hv must fill whole tile depths too.
-bool UseAmxBackward(const DotProductAttentionGradParams& g, const Kernels& k) {
-  return UseAmx(g.forward, k) && g.dout.dtype == DType::kBFloat16 && g.forward.v.sizes[3] % kAmxTileDepth == 0;
+// Its backward also multiplies over Hv (V·dOᵀ), so Hv must fill whole tile depths too.
+bool UseBf16ProductsBackward(const DotProductAttentionGradParams& g, const Kernels& k) {
+  return UseBf16Products(g.forward, k) && g.dout.dtype == DType::kBFloat16 && g.forward.v.sizes[3] % kBf16TileDepth == 0;
 }
 
 void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, int64_t n, const float* acc, float sum,
@@ -586,34 +587,34 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
 // A GEMM task: query block `rows` of one kv head against keys [kv_begin, kv_end), in tiles of
 // block_kv keys, two ways:
 //  - the fp32 micro-kernels (acc[row][e], P read in place as A);
-//  - `amx` (bf16 tiles from per-call K/Vᵀ copies): st = K·Qᵀ with Q in VNNI panels (unscaled,
+//  - `bf16` (the tier's bf16 product engine on per-call K/Vᵀ copies): st = K·Qᵀ with Q in VNNI panels (unscaled,
 //    so exact, the scale applied to st), and the accumulator kept transposed, accᵀ[e][row] +=
 //    Vᵀ·Pᵀ, so P needs no transpose, only its key pairs rounded to bf16 (as flash attention
 //    does on GPUs).
 void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernels& k,
                  const DotProductAttentionConfig& config, const TaskRows& rows, int64_t kv_begin, int64_t kv_end,
                  int64_t split, SplitPartials* partials, const KvTiles& k_tiles, const KvTiles& v_tiles,
-                 const AmxOperand* amx_k, const AmxOperand* amx_vt, ForwardScratch& s) {
-  const bool amx = amx_k != nullptr;
+                 const Bf16Operand* bf16_k, const Bf16Operand* bf16_vt, ForwardScratch& s) {
+  const bool bf16 = bf16_k != nullptr;
   const GemmKernels& gemm = *k.gemm;
   const int64_t mr = gemm.mr, nr = gemm.nr;
   const int64_t count = rows.count(), kv_head = rows.kv_head;
   const int64_t cols = RoundUp(count, nr);  // st columns (query rows)
   const int64_t row_panels = CeilDiv(count, mr); // of P and the accumulator
-  const int64_t ld_acc = amx ? cols : RoundUp(d.value_dim, nr);
-  const int64_t acc_floats = amx ? d.value_dim * cols : row_panels * mr * ld_acc;
+  const int64_t ld_acc = bf16 ? cols : RoundUp(d.value_dim, nr);
+  const int64_t acc_floats = bf16 ? d.value_dim * cols : row_panels * mr * ld_acc;
   const int64_t block = config.block_kv;
-  const int64_t q_floats = cols * d.head_dim;  // Q as fp32 panels, or (amx) bf16 VNNI panels
+  const int64_t q_floats = cols * d.head_dim;  // Q as fp32 panels, or (bf16) bf16 VNNI panels
 
-  float* q_panels = amx ? nullptr : Scratch(s.q_panels, q_floats);
-  uint16_t* q_vnni = amx ? Scratch(s.q_vnni, q_floats) : nullptr;
+  float* q_panels = bf16 ? nullptr : Scratch(s.q_panels, q_floats);
+  uint16_t* q_vnni = bf16 ? Scratch(s.q_vnni, q_floats) : nullptr;
   float* k_panels = Scratch(s.k_panels, k_tiles.tile_floats());
-  const int64_t st_rows = std::max(RoundUp(block, mr), RoundUp(block, kAmxTileDepth));
+  const int64_t st_rows = std::max(RoundUp(block, mr), RoundUp(block, kBf16TileDepth));
   // P·V reads st in place as A: one key's rows per depth step, ld_st apart.
   const int64_t ld_st = SetSpreadingLd(cols);
   float* st = InPlaceTileScratch(s.st, st_rows, ld_st);
   float* v_panels = Scratch(s.v_panels, v_tiles.tile_floats());
-  uint16_t* p_vnni = amx ? Scratch(s.p_vnni, st_rows * cols) : nullptr;
+  uint16_t* p_vnni = bf16 ? Scratch(s.p_vnni, st_rows * cols) : nullptr;
   float* acc = Scratch(s.acc, acc_floats);
   float* max = Scratch(s.max, cols);
   float* sum = Scratch(s.sum, cols);
@@ -623,9 +624,9 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   std::fill(acc, acc + acc_floats, 0.0f);
   std::fill(max, max + cols, kNegInf);
   std::fill(sum, sum + cols, 0.0f);
-  std::unique_ptr<AmxTileScope> tiles;
-  if (amx) {
-    tiles.reset(new AmxTileScope());
+  std::unique_ptr<Bf16ProductScope> scope;
+  if (bf16) {
+    scope.reset(new Bf16ProductScope(k.bf16));
     PackRowsVnni(p.q, rows, cols, q_vnni);
   } else {
     float* q_rows = Scratch(s.q_rows, count * d.head_dim);
@@ -636,8 +637,8 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   ForEachVisibleTile(p.masks, s.row_masks, rows.b, count, kv_begin, kv_end, block,
                      [&](int64_t s0, TileVisibility visibility, int64_t keys) {
     // st = K_tile · (scale·Q)ᵀ, then the logits' epilogue and masks.
-    if (amx) {
-      AmxGemmBf16(RoundUp(keys, kAmxTileRows), cols, d.head_dim, amx_k->At(rows.b, kv_head, s0), amx_k->ld(),
+    if (bf16) {
+      k.bf16.gemm(RoundUp(keys, kBf16TileRows), cols, d.head_dim, bf16_k->At(rows.b, kv_head, s0), bf16_k->ld(),
                   q_vnni, st, ld_st, false, p.scale);
     } else {
       TileGemm(gemm, d.head_dim, k_tiles.Tile(rows.b, kv_head, s0, keys, k_panels), CeilDiv(keys, mr),
@@ -645,13 +646,13 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
     }
     FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, ld_st, nullptr);
     UpdateRunningMax(k, st, keys, ld_st, cols, max, sum, alpha, sub, tile_max);
-    if (amx) {
+    if (bf16) {
       // accᵀ = accᵀ ∘ alpha + Vᵀ_tile · Pᵀ, with P = exp(st - sub) computed while its key pairs
       // are packed into VNNI panels (st itself is never written back).
       k.softmax->scale_columns(acc, ld_acc, d.value_dim, cols, alpha);
-      const int64_t depth = RoundUp(keys, kAmxTileDepth);
-      AmxExpPackVnni(st, ld_st, keys, depth, cols, sub, sum, p_vnni);
-      AmxGemmBf16(d.value_dim, cols, depth, amx_vt->At(rows.b, kv_head, s0), amx_vt->ld(), p_vnni, acc, ld_acc,
+      const int64_t depth = RoundUp(keys, kBf16TileDepth);
+      ExpPackVnni(st, ld_st, keys, depth, cols, sub, sum, p_vnni);
+      k.bf16.gemm(d.value_dim, cols, depth, bf16_vt->At(rows.b, kv_head, s0), bf16_vt->ld(), p_vnni, acc, ld_acc,
                   true, 1.0f);
     } else {
       // acc = acc ∘ alpha + P · V_tile, with P = stᵀ read in place: at each key, a panel's mr
@@ -662,10 +663,10 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
                ld_acc / nr, acc, ld_acc, true);
     }
   });
-  // The amx accumulator is transposed: back to rows (one register transpose).
+  // The bf16 accumulator is transposed: back to rows (one register transpose).
   const float* out = acc;
   int64_t ld_out = ld_acc;
-  if (amx) {
+  if (bf16) {
     float* out_rows = Scratch(s.out_rows, count * d.value_dim);
     k.softmax->transpose_panels(acc, ld_acc, d.value_dim, count, d.value_dim, out_rows);
     out = out_rows;
@@ -708,19 +709,19 @@ void ZeroOutputs(const DotProductAttentionParams& p, const Dims& d) {
 struct BackwardScratch {
   std::vector<float> q_panels, q_rows, do_panels, do_rows, q_bpanels, do_bpanels, k_panels, k_rows, v_panels, st, dpt,
       tanh, a_panels, dq_acc, lse_sub, delta;
-  std::vector<uint16_t> q_vnni, do_vnni, q_row_vnni, do_row_vnni, tile_rows, tile_vnni;  // amx operands
+  std::vector<uint16_t> q_vnni, do_vnni, q_row_vnni, do_row_vnni, tile_rows, tile_vnni;  // bf16 engine operands
   RowMasks row_masks;
 };
 
-// The AMX operands of the backward: K as rows (K·Qᵀ) and transposed (Kᵀ·dS), V as rows (V·dOᵀ).
-struct AmxBackwardOperands {
-  AmxOperand k_rows, k_t, v_rows;
+// The bf16 engine's operands of the backward: K as rows (K·Qᵀ) and transposed (Kᵀ·dS), V as rows (V·dOᵀ).
+struct Bf16BackwardOperands {
+  Bf16Operand k_rows, k_t, v_rows;
 };
 
 // One chunk of query blocks of one (batch, kv head): dq of its rows is written directly, dk/dv
 // partial sums go to dk_acc/dv_acc ([S + 16 rows] x ld, this chunk's own).
 //
-// With `amx` the five products run on the tile unit: st = K·Qᵀ and dPᵀ = V·dOᵀ as in the
+// With `bf16` the five products run on the bf16 product engine: st = K·Qᵀ and dPᵀ = V·dOᵀ as in the
 // forward (Q and dO in VNNI panels), dV += P·dO and dK += dS·Q with P and dS rounded to bf16
 // rows and dO and Q (unscaled: dK is scaled when stored) as VNNI panels over the block's rows,
 // and dQᵀ += Kᵀ·dS with dS's key pairs in VNNI panels, dQ kept transposed.
@@ -728,17 +729,17 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
                   const DotProductAttentionConfig& config, int64_t b, int64_t kv_head, int64_t qb_begin,
                   int64_t qb_end, float* dk_acc, int64_t ld_dk, float* dv_acc, int64_t ld_dv,
                   const KvTiles& k_tiles, const KvTiles& v_tiles, const KvTiles& k_row_tiles,
-                  const AmxBackwardOperands* amx_ops, BackwardScratch& s) {
+                  const Bf16BackwardOperands* bf16_ops, BackwardScratch& s) {
   const DotProductAttentionParams& p = g.forward;
-  const bool amx = amx_ops != nullptr;
+  const bool bf16 = bf16_ops != nullptr;
   const Tensor4View out = AsConst(p.out);
   const GemmKernels& gemm = *k.gemm;
   const int64_t mr = gemm.mr, nr = gemm.nr;
   const int64_t block = config.block_kv;
   const int64_t max_rows = config.block_q * d.group;
-  const int64_t max_cols = RoundUp(max_rows, std::max(nr, kAmxTileDepth));
+  const int64_t max_cols = RoundUp(max_rows, std::max(nr, kBf16TileDepth));
   const int64_t ld_dq = RoundUp(d.head_dim, nr);
-  const int64_t kv_rows = std::max(RoundUp(block, mr), RoundUp(block, kAmxTileDepth));
+  const int64_t kv_rows = std::max(RoundUp(block, mr), RoundUp(block, kBf16TileDepth));
 
   float* q_panels = Scratch(s.q_panels, max_cols * d.head_dim);
   float* q_rows = Scratch(s.q_rows, max_rows * ld_dq);
@@ -755,24 +756,24 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
   float* st = Scratch(s.st, kv_rows * max_ld_st);
   float* dpt = InPlaceTileScratch(s.dpt, kv_rows, max_ld_st);
   float* tanh_values = p.logits_soft_cap > 0.0f ? Scratch(s.tanh, kv_rows * max_ld_st) : nullptr;
-  // Packed P or dS, the O rows before the first tile, and for amx dQ as rows after the last.
+  // Packed P or dS, the O rows before the first tile, and for bf16 dQ as rows after the last.
   float* a_panels = Scratch(s.a_panels, std::max({kv_rows * max_cols, max_rows * ld_dv, max_rows * ld_dq}));
   float* dq_acc = Scratch(s.dq_acc, std::max(RoundUp(max_rows, mr) * ld_dq, d.head_dim * max_cols));
   float* lse_sub = Scratch(s.lse_sub, max_cols);
   float* delta = Scratch(s.delta, max_cols);
-  // amx: the block's rows as VNNI panels over H or Hv (B of K·Qᵀ, V·dOᵀ) and over the rows
+  // bf16: the block's rows as VNNI panels over H or Hv (B of K·Qᵀ, V·dOᵀ) and over the rows
   // (B of dS·Q, P·dO), and one bf16 tile (P, then dS) as rows and as VNNI key pairs.
   uint16_t *q_vnni = nullptr, *do_vnni = nullptr, *q_row_vnni = nullptr, *do_row_vnni = nullptr;
   uint16_t *tile_rows = nullptr, *tile_vnni = nullptr;
-  std::unique_ptr<AmxTileScope> tiles;
-  if (amx) {
+  std::unique_ptr<Bf16ProductScope> scope;
+  if (bf16) {
     q_vnni = Scratch(s.q_vnni, max_cols * d.head_dim);
     do_vnni = Scratch(s.do_vnni, max_cols * d.value_dim);
     q_row_vnni = Scratch(s.q_row_vnni, max_cols * d.head_dim);
     do_row_vnni = Scratch(s.do_row_vnni, max_cols * d.value_dim);
     tile_rows = Scratch(s.tile_rows, kv_rows * max_cols);
     tile_vnni = Scratch(s.tile_vnni, kv_rows * max_cols);
-    tiles.reset(new AmxTileScope());
+    scope.reset(new Bf16ProductScope(k.bf16));
   }
 
   for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
@@ -783,23 +784,23 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
     rows.t0 = qb * config.block_q;
     rows.positions = std::min(config.block_q, d.q_len - rows.t0);
     const int64_t count = rows.count();
-    const int64_t cols = RoundUp(count, amx ? std::max(nr, kAmxTileDepth) : nr);
+    const int64_t cols = RoundUp(count, bf16 ? std::max(nr, kBf16TileDepth) : nr);
     const int64_t ld_st = SetSpreadingLd(cols);
     const int64_t row_panels = CeilDiv(count, mr);
     ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
-    const int64_t dq_floats = amx ? d.head_dim * cols : row_panels * mr * ld_dq;
+    const int64_t dq_floats = bf16 ? d.head_dim * cols : row_panels * mr * ld_dq;
     std::fill(dq_acc, dq_acc + dq_floats, 0.0f);
     // A block no row of which sees a key (past its length) has dq = 0 and needs no operands.
     const bool any_visible = s.row_masks.max_end > 0;
     if (any_visible) {
-      // The block's operands: Q (scaled, or for amx exact) and dO as rows, and transposed.
-      GatherRows(p.q, rows, d.head_dim, amx ? 1.0f : p.scale, q_rows, ld_dq);
+      // The block's operands: Q (scaled, or for bf16 exact) and dO as rows, and transposed.
+      GatherRows(p.q, rows, d.head_dim, bf16 ? 1.0f : p.scale, q_rows, ld_dq);
       GatherRows(g.dout, rows, d.value_dim, 1.0f, do_rows, ld_dv);
-      if (amx) {
+      if (bf16) {
         PackRowsVnni(p.q, rows, cols, q_vnni);
         PackRowsVnni(g.dout, rows, cols, do_vnni);
-        AmxPackVnniFromRows(q_rows, ld_dq, count, cols, d.head_dim, q_row_vnni);
-        AmxPackVnniFromRows(do_rows, ld_dv, count, cols, d.value_dim, do_row_vnni);
+        PackVnniFromRows(q_rows, ld_dq, count, cols, d.head_dim, q_row_vnni);
+        PackVnniFromRows(do_rows, ld_dv, count, cols, d.value_dim, do_row_vnni);
       } else {
         k.softmax->transpose_panels(q_rows, ld_dq, count, d.head_dim, nr, q_panels);
         k.softmax->transpose_panels(do_rows, ld_dv, count, d.value_dim, nr, do_panels);
@@ -831,10 +832,10 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
       ForEachVisibleTile(p.masks, s.row_masks, b, count, 0, d.kv_len, block,
                          [&](int64_t s0, TileVisibility visibility, int64_t keys) {
         const int64_t key_panels = CeilDiv(keys, mr);
-        const int64_t key_tiles = RoundUp(keys, kAmxTileRows);  // amx: rows of the key-major products
+        const int64_t key_tiles = RoundUp(keys, kBf16TileRows);  // bf16: rows of the key-major products
         // P = exp(logits - lse), recomputed.
-        if (amx) {
-          AmxGemmBf16(key_tiles, cols, d.head_dim, amx_ops->k_rows.At(b, kv_head, s0), amx_ops->k_rows.ld(), q_vnni,
+        if (bf16) {
+          k.bf16.gemm(key_tiles, cols, d.head_dim, bf16_ops->k_rows.At(b, kv_head, s0), bf16_ops->k_rows.ld(), q_vnni,
                       st, ld_st, false, p.scale);
         } else {
           TileGemm(gemm, d.head_dim, k_tiles.Tile(b, kv_head, s0, keys, k_panels), key_panels,
@@ -843,12 +844,12 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
         FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, ld_st, tanh_values);
         k.softmax->exp_columns(st, keys, ld_st, cols, lse_sub, nullptr);
         // dV_tile += P · dO; dPᵀ = V_tile · dOᵀ.
-        if (amx) {
+        if (bf16) {
           // P's rows past `keys` are zero: they must add nothing to the next tile's dV rows.
-          AmxConvertRowsBf16(st, ld_st, keys, key_tiles, cols, tile_rows, cols);
-          AmxGemmBf16(key_tiles, d.value_dim, cols, tile_rows, cols, do_row_vnni, dv_acc + s0 * ld_dv, ld_dv, true,
+          ConvertRowsBf16(st, ld_st, keys, key_tiles, cols, tile_rows, cols);
+          k.bf16.gemm(key_tiles, d.value_dim, cols, tile_rows, cols, do_row_vnni, dv_acc + s0 * ld_dv, ld_dv, true,
                       1.0f);
-          AmxGemmBf16(key_tiles, cols, d.value_dim, amx_ops->v_rows.At(b, kv_head, s0), amx_ops->v_rows.ld(), do_vnni,
+          k.bf16.gemm(key_tiles, cols, d.value_dim, bf16_ops->v_rows.At(b, kv_head, s0), bf16_ops->v_rows.ld(), do_vnni,
                       dpt, ld_st, false, 1.0f);
         } else {
           gemm.pack_a({st, DType::kFloat32, keys, count, ld_st, 1}, 0, keys, 0, count, a_panels);
@@ -874,12 +875,12 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
           }
         }
         // dK_tile += dS · (scale·Q); dQ += dS · K_tile (scaled when stored).
-        if (amx) {
-          AmxConvertRowsBf16(dpt, ld_st, keys, key_tiles, cols, tile_rows, cols);
-          AmxGemmBf16(key_tiles, d.head_dim, cols, tile_rows, cols, q_row_vnni, dk_acc + s0 * ld_dk, ld_dk, true, 1.0f);
-          const int64_t depth = RoundUp(keys, kAmxTileDepth);
-          AmxPackVnniFromRows(dpt, ld_st, keys, depth, cols, tile_vnni);
-          AmxGemmBf16(d.head_dim, cols, depth, amx_ops->k_t.At(b, kv_head, s0), amx_ops->k_t.ld(), tile_vnni, dq_acc,
+        if (bf16) {
+          ConvertRowsBf16(dpt, ld_st, keys, key_tiles, cols, tile_rows, cols);
+          k.bf16.gemm(key_tiles, d.head_dim, cols, tile_rows, cols, q_row_vnni, dk_acc + s0 * ld_dk, ld_dk, true, 1.0f);
+          const int64_t depth = RoundUp(keys, kBf16TileDepth);
+          PackVnniFromRows(dpt, ld_st, keys, depth, cols, tile_vnni);
+          k.bf16.gemm(d.head_dim, cols, depth, bf16_ops->k_t.At(b, kv_head, s0), bf16_ops->k_t.ld(), tile_vnni, dq_acc,
                       cols, true, 1.0f);
         } else {
           gemm.pack_a({dpt, DType::kFloat32, keys, count, ld_st, 1}, 0, keys, 0, count, a_panels);
@@ -892,7 +893,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
     }
     const float* dq_rows = dq_acc;
     int64_t ld_rows = ld_dq;
-    if (amx) {  // dQᵀ back to rows
+    if (bf16) {  // dQᵀ back to rows
       k.softmax->transpose_panels(dq_acc, cols, d.head_dim, count, d.head_dim, a_panels);
       dq_rows = a_panels;
       ld_rows = d.head_dim;
@@ -932,15 +933,15 @@ Status DotProductAttention(const DotProductAttentionParams& p, const DotProductA
     partials.sum.assign(rows, 0.0f);
   }
   // Several query blocks read each kv tile: pack K and V once.
-  // (The amx path copies them once as bf16 instead.)
+  // (The bf16 engine's path copies them once as bf16 instead.)
   const bool row_dots = UseRowDots(p, q_blocks, std::min(config.block_q, d.q_len) * d.group);
-  const bool use_amx = !row_dots && UseAmx(p, k);
-  const KvTiles k_tiles(*k.gemm, p.k, config.block_kv, /*as_a=*/true, /*pack_all=*/q_blocks > 1 && !use_amx);
-  const KvTiles v_tiles(*k.gemm, p.v, config.block_kv, /*as_a=*/false, /*pack_all=*/q_blocks > 1 && !use_amx);
-  std::unique_ptr<AmxOperand> amx_k, amx_vt;
-  if (use_amx) {
-    amx_k.reset(new AmxOperand(p.k, AmxOperand::kRows));
-    amx_vt.reset(new AmxOperand(p.v, AmxOperand::kTransposed));
+  const bool use_bf16 = !row_dots && UseBf16Products(p, k);
+  const KvTiles k_tiles(*k.gemm, p.k, config.block_kv, /*as_a=*/true, /*pack_all=*/q_blocks > 1 && !use_bf16);
+  const KvTiles v_tiles(*k.gemm, p.v, config.block_kv, /*as_a=*/false, /*pack_all=*/q_blocks > 1 && !use_bf16);
+  std::unique_ptr<Bf16Operand> bf16_k, bf16_vt;
+  if (use_bf16) {
+    bf16_k.reset(new Bf16Operand(p.k, Bf16Operand::kRows));
+    bf16_vt.reset(new Bf16Operand(p.v, Bf16Operand::kTransposed));
   }
   // Tasks are pulled from a shared counter, latest query blocks first: under a causal mask they
   // are the longest, and starting them first balances the threads.
@@ -966,8 +967,8 @@ Status DotProductAttention(const DotProductAttentionParams& p, const DotProductA
       if (row_dots) {
         ForwardRowTask(p, d, k, config, rows, kv_begin, kv_end, split, task_partials, scratch);
       } else {
-        ForwardTask(p, d, k, config, rows, kv_begin, kv_end, split, task_partials, k_tiles, v_tiles, amx_k.get(),
-                    amx_vt.get(), scratch);
+        ForwardTask(p, d, k, config, rows, kv_begin, kv_end, split, task_partials, k_tiles, v_tiles, bf16_k.get(),
+                    bf16_vt.get(), scratch);
       }
     }
   });
@@ -1004,8 +1005,8 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
   const int64_t splits = std::max<int64_t>(1, std::min(config.num_splits, q_blocks));
   const int64_t ld_dk = RoundUp(d.head_dim, nr), ld_dv = RoundUp(d.value_dim, nr);
   // Per (split, batch, kv head): fp32 dk/dv partial sums over [S + 16) rows (tiles write whole
-  // mr-row panels or 16-row AMX tiles; the padding rows only ever receive zeros).
-  const int64_t acc_rows = d.kv_len + std::max(mr, kAmxTileRows);
+  // mr-row panels or 16-row bf16 tiles; the padding rows only ever receive zeros).
+  const int64_t acc_rows = d.kv_len + std::max(mr, kBf16TileRows);
   const int64_t heads = d.batch * d.kv_heads;
   LargeBuffer<float> dk_acc(splits * heads * acc_rows * ld_dk, LargeBuffer<float>::kZeroed);
   LargeBuffer<float> dv_acc(splits * heads * acc_rows * ld_dv, LargeBuffer<float>::kZeroed);
@@ -1014,12 +1015,12 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
     std::fill(dbias, dbias + d.batch * d.q_heads * d.q_len * d.kv_len, 0.0f);
   }
   // Several query blocks read each kv tile: pack K, V and K's rows once.
-  const bool use_amx = UseAmxBackward(g, k) && d.kv_len > 0;
-  const bool pack_all = q_blocks > 1 && d.kv_len > 0 && !use_amx;
-  std::unique_ptr<AmxBackwardOperands> amx_ops;
-  if (use_amx) {
-    amx_ops.reset(new AmxBackwardOperands{AmxOperand(p.k, AmxOperand::kRows), AmxOperand(p.k, AmxOperand::kTransposed),
-                                          AmxOperand(p.v, AmxOperand::kRows)});
+  const bool use_bf16 = UseBf16ProductsBackward(g, k) && d.kv_len > 0;
+  const bool pack_all = q_blocks > 1 && d.kv_len > 0 && !use_bf16;
+  std::unique_ptr<Bf16BackwardOperands> bf16_ops;
+  if (use_bf16) {
+    bf16_ops.reset(new Bf16BackwardOperands{Bf16Operand(p.k, Bf16Operand::kRows), Bf16Operand(p.k, Bf16Operand::kTransposed),
+                                          Bf16Operand(p.v, Bf16Operand::kRows)});
   }
   const KvTiles k_tiles(*k.gemm, p.k, config.block_kv, /*as_a=*/true, pack_all);
   const KvTiles v_tiles(*k.gemm, p.v, config.block_kv, /*as_a=*/true, pack_all);
@@ -1034,7 +1035,7 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
       float* dk = dk_acc.data() + (split * heads + head) * acc_rows * ld_dk;
       float* dv = dv_acc.data() + (split * heads + head) * acc_rows * ld_dv;
       BackwardTask(g, d, k, config, head / d.kv_heads, head % d.kv_heads, qb_begin, qb_end, dk, ld_dk, dv, ld_dv,
-                   k_tiles, v_tiles, k_row_tiles, amx_ops.get(), scratch);
+                   k_tiles, v_tiles, k_row_tiles, bf16_ops.get(), scratch);
     }
   });
   // dk, dv = the splits' partial sums, added in split order.
@@ -1051,7 +1052,7 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
         }
       };
       sum_splits(dk_acc, ld_dk, d.head_dim);
-      StoreRow(g.dk, b, s, kv_head, total.data(), d.head_dim, use_amx ? p.scale : 1.0f);  // amx: dS·Q unscaled
+      StoreRow(g.dk, b, s, kv_head, total.data(), d.head_dim, use_bf16 ? p.scale : 1.0f);  // bf16: dS·Q unscaled
       sum_splits(dv_acc, ld_dv, d.value_dim);
       StoreRow(g.dv, b, s, kv_head, total.data(), d.value_dim, 1.0f);
     }

@@ -233,15 +233,15 @@ TEST_P(DotProductAttentionTest, DenseAcrossDtypesAndTiles) {
   }
 }
 
-// Head dims that fit whole AMX tiles (H % 32, Hv % 16), where the amx tier multiplies bf16 on
-// the tile unit: tails of every kind, kv tiles starting off a 16-key boundary, splits, GQA.
+// Head dims that fit whole bf16 tiles (H % 32, Hv % 16), where the avx512bf16 and amx tiers
+// multiply bf16 on their bf16 product engine (bf16_gemm.h): tails of every kind, kv tiles starting off a 16-key boundary, splits, GQA.
 TEST_P(DotProductAttentionTest, Bf16TileShapes) {
   ScopedIsa isa(GetParam());
   Problem pb;
   pb.batch = 2; pb.q_len = 50; pb.kv_len = 77; pb.q_heads = 6; pb.kv_heads = 2; pb.head_dim = 64; pb.value_dim = 48;
   Check(pb, DType::kBFloat16, Config(8, 24, 1));
   Check(pb, DType::kBFloat16, Config(32, 64, 2));
-  pb.value_dim = 32;  // Hv % 32 == 0: the backward's products run on the tile unit too
+  pb.value_dim = 32;  // Hv % 32 == 0: the backward's products run on the engine too
   Check(pb, DType::kBFloat16, Config(8, 24, 1));
   pb.causal = true;
   Check(pb, DType::kBFloat16, Config(96, 256, 1));
@@ -351,7 +351,7 @@ TEST_P(DotProductAttentionTest, BitwiseReproducibleAcrossThreadCounts) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiers, DotProductAttentionTest,
-                         ::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx),
+                         ::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kAmx),
                          [](const ::testing::TestParamInfo<Isa>& info) { return std::string(IsaName(info.param)); });
 
 TEST(DotProductAttentionConfigTest, ValidateAndRoundTrip) {
