@@ -161,9 +161,10 @@ def test_matches_sdpa(impl):
 
 def test_every_isa_tier(impl, monkeypatch):
     q, k, v = make_qkv(1, 40, 50, 4, 2, 24)
-    # Head dims that fit AMX tiles (H % 32, Hv % 16): the amx tier's bf16 tile path.
+    # Head dims that fit bf16 tiles (H % 32, Hv % 16): the bf16 product engine of the avx512bf16
+    # (vdpbf16ps) and amx (tile unit) tiers.
     tile_q, tile_k, tile_v = make_qkv(1, 40, 50, 4, 2, 64, dtype=torch.bfloat16)
-    for isa in ("scalar", "avx2", "avx512", "amx"):
+    for isa in ("scalar", "avx2", "avx512", "avx512bf16", "amx"):
         monkeypatch.setenv("TOKAMAX_CPU_ISA", isa)
         try:
             assert_matches_oracle(impl, (q, k, v), {"is_causal": True, "logits_soft_cap": 1.5}, torch.float32)
@@ -232,7 +233,8 @@ def test_bitwise_deterministic_across_runs_and_threads(impl):
 
 @pytest.mark.parametrize("option", ["causal", "softcap", "bias", "all"])
 def test_bf16_tile_head_dims_match_float64_reference(option):
-    # H % 32 == 0 and Hv % 32 == 0: on the amx tier both passes run on the AMX tile unit.
+    # H % 32 == 0 and Hv % 32 == 0: on the avx512bf16 and amx tiers both passes run on the bf16
+    # product engine.
     bias, mask, kwargs = _split(OPTIONS[option])
     q, k, v = make_qkv(2, 19, 29, 6, 2, 64, 32, torch.float64, requires_grad=True)  # OPTIONS: T=19, S=29
     bias = None if bias is None else bias.double().requires_grad_(True)

@@ -187,7 +187,13 @@ def test_bitwise_deterministic_across_runs_and_threads(impl):
         single = impl(lhs, rhs, gs)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(first, single)
+    if impl is rd.kernel:
+        assert torch.equal(first, single)
+    else:
+        # The reference is at::mm per group: MKL's summation order may depend on the thread
+        # count (on Zen 4 a 10-row group differs in the last bits between 1 and 2 threads), so
+        # only the kernel promises bits across thread counts.
+        torch.testing.assert_close(first, single, rtol=1e-5, atol=1e-5)
 
 
 # ---- autograd -----------------------------------------------------------------------------------

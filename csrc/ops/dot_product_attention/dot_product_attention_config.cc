@@ -78,8 +78,8 @@ Status DotProductAttentionConfig::FromVector(const std::vector<int64_t>& values,
 DotProductAttentionConfig DotProductAttentionHeuristicConfig(const DotProductAttentionShape& shape, DType dtype,
                                                              const CpuInfo& cpu, int product) {
   // The tiling is dtype-independent: the fp32 paths widen every operand while packing, and the
-  // amx tier's bf16 tiles, half the bytes, fit wherever the fp32 ones do (an A/B of block sizes
-  // on the amx paths stayed within the noise, docs/benchmarks.md).
+  // bf16 engine's tiles (avx512bf16, amx), half the bytes, fit wherever the fp32 ones do (an A/B
+  // of block sizes on the amx paths stayed within the noise, docs/benchmarks.md).
   (void)dtype;
   DotProductAttentionConfig config;
   const int64_t group = GroupOf(shape);
