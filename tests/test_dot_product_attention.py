@@ -145,6 +145,28 @@ def test_shapes(impl, b, t, s, n, k, h, hv, is_causal):
     assert_matches_oracle(impl, (q, k_, v), {"is_causal": is_causal}, torch.float32)
 
 
+@pytest.mark.parametrize("option", ["plain", "causal", "softcap", "bias", "all"])
+@pytest.mark.parametrize("t,hv", [(1, 96), (2, 32)])
+def test_bf16_decode_row_products_match_float64(impl, option, t, hv):
+    # Few query rows take the row path; bf16 with head dims of whole 32-element steps takes the
+    # bf16 row products where the tier has them (avx512bf16: vdpbf16ps, P rounded to bf16),
+    # else the widening ones. Both against the oracle, on every tier the CPU supports.
+    q, k, v = make_qkv(2, t, 29, 8, 2, 64, hv, torch.bfloat16)
+    bias = torch.randn(2, 8, t, 29).bfloat16() if option in ("bias", "all") else None
+    mask = torch.rand(2, 1, t, 29) > 0.3 if option == "all" else None
+    kwargs = {"plain": {}, "causal": {"is_causal": True}, "softcap": {"logits_soft_cap": 2.0}, "bias": {},
+              "all": {"local_window_size": (20, 0), "logits_soft_cap": 2.0, "key_value_seq_lengths": torch.tensor([29, 11]),
+                      "q_segment_ids": torch.zeros(2, t, dtype=torch.int32),
+                      "kv_segment_ids": segment_ids(2, 29, 2)}}[option]
+    for isa in ("avx512", "avx512bf16"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("TOKAMAX_CPU_ISA", isa)
+            try:
+                assert_matches_oracle(impl, (q, k, v, bias, mask), kwargs, torch.bfloat16)
+            except RuntimeError as e:
+                assert "not supported" in str(e)
+
+
 def test_matches_sdpa(impl):
     q, k, v = make_qkv(2, 33, 33, 8, 2, 32)
     got = impl(q, k, v, is_causal=True)

@@ -45,6 +45,16 @@ struct SoftmaxKernels {
                             const void* value, int64_t ld_value, int64_t width, float* acc, int64_t ld_acc);
   // x[r][c] *= scale[c] for r < rows, c < cols: scale_rows for a transposed accumulator.
   void (*scale_columns)(float* x, int64_t ld, int64_t rows, int64_t cols, const float* scale);
+  // The row products for bf16 K, V and queries on the AVX512-BF16 dot instruction, pairs of
+  // elements per multiply-add (the avx512bf16 tier; null on the others). depth and width are
+  // multiples of 32, rows at most kMaxRowDotRows.
+  // st[j * ld_st + r] = scale * sum_h key[j][h] * q[r][h]: key_dots with bf16 query rows
+  // (unscaled, so exact) at q + r * ld_q.
+  void (*key_dots_bf16)(const uint16_t* key, int64_t ld_key, int64_t keys, int64_t depth, const uint16_t* q,
+                        int64_t ld_q, int64_t rows, float scale, float* st, int64_t ld_st) = nullptr;
+  // accumulate_values of bf16 value rows with p rounded to bf16 (as the bf16 engine's P·V).
+  void (*accumulate_values_bf16)(const float* p, int64_t ld_p, int64_t keys, int64_t rows, const uint16_t* value,
+                                 int64_t ld_value, int64_t width, float* acc, int64_t ld_acc) = nullptr;
 };
 
 constexpr int64_t kMaxRowDotRows = 8;

@@ -148,6 +148,14 @@ void GatherRows(const Tensor4View& x, const TaskRows& rows, int64_t cols, float 
   });
 }
 
+// The task's rows of a bf16 X as they are, row r at dst + r * ld (the bf16 row products' query).
+void GatherRowsBf16(const Tensor4View& x, const TaskRows& rows, uint16_t* dst, int64_t ld) {
+  for (int64_t r = 0; r < rows.count(); ++r) {
+    const uint16_t* src = static_cast<const uint16_t*>(ElementAddress(x, rows.b, rows.t(r), rows.n(r), 0));
+    CopyBf16(src, 0, x.strides[3], 1, x.sizes[3], /*transpose=*/false, dst + r * ld, ld);
+  }
+}
+
 // B(h, r) = X[row r][h] for the task's rows of a bf16 X (q or dout), zero for count <= r <
 // cols: X's rows transposed into the VNNI panels of bf16_gemm.h, depth X's head dim (even). Each
 // 16 rows are gathered contiguous (read whole, once), then transposed as 32-bit pairs; exact.
@@ -537,8 +545,20 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
   rows.group = d.q_heads;
   const int64_t count = rows.count(), cols = RoundUp(count, 16), block = config.block_kv;
   const int64_t head_dim = d.head_dim, value_dim = d.value_dim;
-  float* q = Scratch(s.q_rows, count * head_dim);  // row r: scale · q[t(r), n(r)]
-  GatherRows(p.q, rows, head_dim, p.scale, q, head_dim);
+  // bf16 q, k and v with head dims of whole 32-element steps take the tier's bf16 row products
+  // where it has them (avx512bf16), with q's rows as they are and the scale applied to st.
+  const bool bf16_rows = k.softmax->key_dots_bf16 != nullptr && p.q.dtype == DType::kBFloat16 &&
+                         p.k.dtype == DType::kBFloat16 && p.v.dtype == DType::kBFloat16 && head_dim % 32 == 0 &&
+                         value_dim % 32 == 0;
+  float* q = nullptr;  // row r: scale · q[t(r), n(r)]
+  uint16_t* q_bf16 = nullptr;  // row r: q[t(r), n(r)]
+  if (bf16_rows) {
+    q_bf16 = Scratch(s.q_vnni, count * head_dim);
+    GatherRowsBf16(p.q, rows, q_bf16, head_dim);
+  } else {
+    q = Scratch(s.q_rows, count * head_dim);
+    GatherRows(p.q, rows, head_dim, p.scale, q, head_dim);
+  }
   float* st = Scratch(s.st, block * cols);
   float* acc = Scratch(s.acc, count * value_dim);
   float* max = Scratch(s.max, cols);
@@ -566,17 +586,28 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
       }
     };
     for_runs([&](int64_t h, int64_t r0, int64_t j0, int64_t n) {
-      k.softmax->key_dots(p.k.dtype, ElementAddress(p.k, rows.b, s0 + j0, h, 0), p.k.strides[1], n, head_dim,
-                          q + r0 * head_dim, head_dim, d.group, st + j0 * cols + r0, cols);
+      const void* key = ElementAddress(p.k, rows.b, s0 + j0, h, 0);
+      if (bf16_rows) {
+        k.softmax->key_dots_bf16(static_cast<const uint16_t*>(key), p.k.strides[1], n, head_dim,
+                                 q_bf16 + r0 * head_dim, head_dim, d.group, p.scale, st + j0 * cols + r0, cols);
+      } else {
+        k.softmax->key_dots(p.k.dtype, key, p.k.strides[1], n, head_dim, q + r0 * head_dim, head_dim, d.group,
+                            st + j0 * cols + r0, cols);
+      }
     });
     FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, cols, nullptr);
     UpdateRunningMax(k, st, keys, cols, cols, max, sum, alpha, sub, tile_max);
     k.softmax->exp_columns(st, keys, cols, cols, sub, sum);
     k.softmax->scale_rows(acc, value_dim, count, value_dim, alpha);
     for_runs([&](int64_t h, int64_t r0, int64_t j0, int64_t n) {
-      k.softmax->accumulate_values(p.v.dtype, st + j0 * cols + r0, cols, n, d.group,
-                                   ElementAddress(p.v, rows.b, s0 + j0, h, 0), p.v.strides[1], value_dim,
-                                   acc + r0 * value_dim, value_dim);
+      const void* value = ElementAddress(p.v, rows.b, s0 + j0, h, 0);
+      if (bf16_rows) {
+        k.softmax->accumulate_values_bf16(st + j0 * cols + r0, cols, n, d.group, static_cast<const uint16_t*>(value),
+                                          p.v.strides[1], value_dim, acc + r0 * value_dim, value_dim);
+      } else {
+        k.softmax->accumulate_values(p.v.dtype, st + j0 * cols + r0, cols, n, d.group, value, p.v.strides[1],
+                                     value_dim, acc + r0 * value_dim, value_dim);
+      }
     });
   });
   for (int64_t r = 0; r < count; ++r) {
