@@ -514,6 +514,22 @@ void FinishRow(const DotProductAttentionParams& p, const Dims& d, int64_t b, int
 // at half the bandwidth.
 constexpr int64_t kRowRunKeys = 16;
 
+// Asks for x's rows [first, last) of kv head h into L2 (prefetcht1): the row path's reads one
+// run ahead, K's during the logits pass and V's during the values pass. The runs' rows of one
+// head sit a few KiB apart, which the hardware prefetchers do not follow far enough to hide
+// DRAM's latency; into L1 (prefetcht0) the 16 rows of a run, a page apart in an fp32 cache,
+// evict each other from their L1 sets. Measured on Zen 4 (S=4096, N=32, K=8, alternating in
+// one process): bf16 1.07 -> 0.55 ms, fp32 1.30 -> 1.04 ms; into L1 both were slower.
+// Always inlined: as a call, GCC's IPA finds the function free of side effects (a prefetch has
+// none it models) and deletes every call to it.
+[[gnu::always_inline]] inline void PrefetchRowsToL2(const Tensor4View& x, int64_t b, int64_t first, int64_t last, int64_t h) {
+  const int64_t bytes = x.sizes[3] * DTypeSize(x.dtype);
+  for (int64_t r = first; r < last; ++r) {
+    const char* row = static_cast<const char*>(ElementAddress(x, b, r, h, 0));
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(row + offset, 0, 2);
+  }
+}
+
 // The online softmax step of one tile, before the exponentiation: the new
 // running max of each column, the factor alpha that rescales what was accumulated (the running
 // sums rescaled here), and `sub`, what the tile's logits are shifted by before exp.
@@ -575,17 +591,20 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
   ForEachVisibleTile(p.masks, s.row_masks, rows.b, count, kv_begin, kv_end, block,
                      [&](int64_t s0, TileVisibility visibility, int64_t keys) {
-    // run(h, first row of (kv head h, position), j0, keys of the run), in memory order.
-    auto for_runs = [&](auto&& run) {
+    // run(h, first row of (kv head h, position), j0, keys of the run), in memory order, with
+    // x's rows of the next run (up to the task's last key) prefetched head by head.
+    auto for_runs = [&](const Tensor4View& x, auto&& run) {
       for (int64_t j0 = 0; j0 < keys; j0 += kRowRunKeys) {
+        const int64_t next = s0 + j0 + kRowRunKeys, next_end = std::min(next + kRowRunKeys, kv_end);
         for (int64_t h = 0; h < d.kv_heads; ++h) {
+          PrefetchRowsToL2(x, rows.b, next, next_end, h);
           for (int64_t pos = 0; pos < rows.positions; ++pos) {
             run(h, pos * d.q_heads + h * d.group, j0, std::min(kRowRunKeys, keys - j0));
           }
         }
       }
     };
-    for_runs([&](int64_t h, int64_t r0, int64_t j0, int64_t n) {
+    for_runs(p.k, [&](int64_t h, int64_t r0, int64_t j0, int64_t n) {
       const void* key = ElementAddress(p.k, rows.b, s0 + j0, h, 0);
       if (bf16_rows) {
         k.softmax->key_dots_bf16(static_cast<const uint16_t*>(key), p.k.strides[1], n, head_dim,
@@ -599,7 +618,7 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
     UpdateRunningMax(k, st, keys, cols, cols, max, sum, alpha, sub, tile_max);
     k.softmax->exp_columns(st, keys, cols, cols, sub, sum);
     k.softmax->scale_rows(acc, value_dim, count, value_dim, alpha);
-    for_runs([&](int64_t h, int64_t r0, int64_t j0, int64_t n) {
+    for_runs(p.v, [&](int64_t h, int64_t r0, int64_t j0, int64_t n) {
       const void* value = ElementAddress(p.v, rows.b, s0 + j0, h, 0);
       if (bf16_rows) {
         k.softmax->accumulate_values_bf16(st + j0 * cols + r0, cols, n, d.group, static_cast<const uint16_t*>(value),
