@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import math
+import statistics
 import pathlib
 import sys
 
@@ -180,6 +181,7 @@ def run_decode(reps: int, read_gbps: float, l3_bytes: int, quick: bool) -> list[
     b, s, n, kh, h = 1, 4096, 32, 8, 128
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
+        same_read_gbps = float("nan")
         kv_bytes = 2 * b * s * kh * h * torch.tensor([], dtype=dtype).element_size()
         copies = max(2, math.ceil(2 * l3_bytes / kv_bytes)) if not quick else 2
         torch.manual_seed(0)
@@ -197,10 +199,32 @@ def run_decode(reps: int, read_gbps: float, l3_bytes: int, quick: bool) -> list[
                     else:
                         F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                        enable_gqa=True)
-            timing = common.time_fn(step, warmup=copies, reps=max(reps, 3 * copies))
+            if impl == "tokamax":
+                # The same rotation read plainly (the read probe's streaming sum over K's and V's
+                # bytes, both threads), its calls alternating with the kernel's: the bandwidth of
+                # reading exactly these caches in the same minutes, a second ceiling beside the
+                # 256 MiB probe's, which the VM's neighbours move by up to 2x between runs.
+                # The read's time is the probe's own (C++, around the streaming loop only), so
+                # the call overhead the kernel's Python-side timing includes is not charged to it.
+                read_state = {"i": 0, "ms": []}
+
+                def plain_read(state=read_state):
+                    k, v = caches[state["i"] % copies]
+                    state["i"] += 1
+                    ms = 0.0
+                    for x in (k, v):
+                        gbps = torch.ops.tokamax._measure_ceilings(x.reshape(-1).view(torch.float32), 0)[2]
+                        ms += x.numel() * x.element_size() / gbps * 1e-6
+                    state["ms"].append(ms)
+
+                timing, _ = common.time_interleaved([step, plain_read], warmup=copies, reps=max(reps, 3 * copies))
+                same_read_gbps = kv_bytes / statistics.median(read_state["ms"][copies:]) * 1e-6
+            else:
+                timing = common.time_fn(step, warmup=copies, reps=max(reps, 3 * copies))
             gbps = kv_bytes / timing["median_ms"] * 1e-6
             rows.append(dict(case="decode", dtype=str(dtype).removeprefix("torch."), pass_="fwd", impl=impl,
                              **timing, gbps=gbps, bw_fraction=gbps / read_gbps,
+                             same_caches_read_gbps=same_read_gbps, same_caches_fraction=gbps / same_read_gbps,
                              shape=f"B={b} T=1 S={s} N={n} K={kh} H={h}, {copies} KV caches"))
         del caches
     return rows
@@ -247,7 +271,9 @@ def main() -> None:
     for r in decode:
         rows.append(r)
         print(f"{r['case']:<25}{r['dtype']:<10}{r['pass_']:<9}{r['impl']:<9}{r['median_ms']:>9.2f}"
-              f"{r['gbps']:>7.1f}GB/s {100 * r['bw_fraction']:>4.0f}%bw   (peak memory not measured)")
+              f"{r['gbps']:>7.1f}GB/s {100 * r['bw_fraction']:>4.0f}%bw   "
+              f"({100 * r['same_caches_fraction']:.0f}% of a plain read of the same caches, "
+              f"{r['same_caches_read_gbps']:.1f} GB/s; peak memory not measured)")
     print_targets(rows, args.quick)
     path = common.write_json("attention", {"machine": info, "ceilings": ceilings, "quick": args.quick, "rows": rows})
     print(f"wrote {path}")
@@ -288,8 +314,10 @@ def print_targets(rows, quick: bool) -> None:
     for dtype in ("float32", "bfloat16"):
         r = _time(rows, case="decode", dtype=dtype, impl="tokamax")
         s = _time(rows, case="decode", dtype=dtype, impl="sdpa")
-        print(f"  decode {dtype}: {100 * r['bw_fraction']:.0f}% of read bandwidth (target >= 70%) "
-              f"{'MET' if r['bw_fraction'] >= 0.7 else 'MISSED'}; SDPA {100 * s['bw_fraction']:.0f}%")
+        print(f"  decode {dtype}: {100 * r['bw_fraction']:.0f}% of the read probe's bandwidth (target >= 70%) "
+              f"{'MET' if r['bw_fraction'] >= 0.7 else 'MISSED'}; {100 * r['same_caches_fraction']:.0f}% of a plain "
+              f"read of the same caches {'MET' if r['same_caches_fraction'] >= 0.7 else 'MISSED'}; "
+              f"SDPA {100 * s['bw_fraction']:.0f}% / {100 * s['same_caches_fraction']:.0f}%")
 
 
 if __name__ == "__main__":
