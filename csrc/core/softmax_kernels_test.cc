@@ -10,6 +10,7 @@
 #include <cmath>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "csrc/core/test_util.h"
@@ -18,6 +19,39 @@ namespace tokamax {
 namespace {
 
 using testing::Buffer;
+
+// The row products' results against float64 sums, as {largest logit error, largest accumulator
+// error}: st[j * ld_st + r] = scale * sum_h key(j, h) q(r, h) for j < keys, r < rows, and NaN
+// (the poison) past rows and in the row after the last key; acc[r * ld_acc + e] = 0.5 + sum_j
+// weight(j, r) key(j, e) for e < depth, and 0.5 (untouched) past it.
+template <typename QAt, typename WeightAt>
+std::pair<double, double> RowProductErrors(const Buffer& key, int64_t ld_key, int64_t keys, int64_t depth,
+                                           int64_t rows, QAt q_at, double scale, WeightAt weight_at,
+                                           const std::vector<float>& st, int64_t ld_st, const std::vector<float>& acc,
+                                           int64_t ld_acc) {
+  double dot_error = 0.0, acc_error = 0.0;
+  for (int64_t j = 0; j < keys; ++j) {
+    for (int64_t r = 0; r < rows; ++r) {
+      double want = 0.0;
+      for (int64_t h = 0; h < depth; ++h) want += double{key.Get(j * ld_key + h)} * q_at(r, h);
+      dot_error = std::max(dot_error, std::abs(scale * want - st[j * ld_st + r]));
+    }
+    for (int64_t r = rows; r < ld_st; ++r) EXPECT_TRUE(std::isnan(st[j * ld_st + r]));
+  }
+  for (int64_t r = 0; r < ld_st; ++r) EXPECT_TRUE(std::isnan(st[keys * ld_st + r]));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t e = 0; e < ld_acc; ++e) {
+      if (e >= depth) {
+        EXPECT_EQ(acc[r * ld_acc + e], 0.5f);  // past the width: untouched
+        continue;
+      }
+      double want = 0.5;
+      for (int64_t j = 0; j < keys; ++j) want += weight_at(j, r) * key.Get(j * ld_key + e);
+      acc_error = std::max(acc_error, std::abs(want - acc[r * ld_acc + e]));
+    }
+  }
+  return {dot_error, acc_error};
+}
 
 class RowDotsTest : public ::testing::TestWithParam<std::tuple<Isa, DType>> {};
 
@@ -41,27 +75,9 @@ TEST_P(RowDotsTest, KeyDotsAndAccumulateValuesMatchFloat64) {
         kernels.key_dots(dtype, key.data(), ld_key, keys, depth, q.data(), depth, rows, st.data(), ld_st);
         std::vector<float> acc(rows * ld_acc, 0.5f);
         kernels.accumulate_values(dtype, p.data(), ld_st, keys, rows, key.data(), ld_key, depth, acc.data(), ld_acc);
-        double dot_error = 0.0, acc_error = 0.0;
-        for (int64_t j = 0; j < keys; ++j) {
-          for (int64_t r = 0; r < rows; ++r) {
-            double want = 0.0;
-            for (int64_t h = 0; h < depth; ++h) want += double{key.Get(j * ld_key + h)} * q[r * depth + h];
-            dot_error = std::max(dot_error, std::abs(want - st[j * ld_st + r]));
-          }
-          for (int64_t r = rows; r < ld_st; ++r) EXPECT_TRUE(std::isnan(st[j * ld_st + r]));
-        }
-        for (int64_t r = 0; r < ld_st; ++r) EXPECT_TRUE(std::isnan(st[keys * ld_st + r]));
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t e = 0; e < ld_acc; ++e) {
-            if (e >= depth) {
-              EXPECT_EQ(acc[r * ld_acc + e], 0.5f);  // past the width: untouched
-              continue;
-            }
-            double want = 0.5;
-            for (int64_t j = 0; j < keys; ++j) want += double{p[j * ld_st + r]} * key.Get(j * ld_key + e);
-            acc_error = std::max(acc_error, std::abs(want - acc[r * ld_acc + e]));
-          }
-        }
+        const auto [dot_error, acc_error] = RowProductErrors(
+            key, ld_key, keys, depth, rows, [&](int64_t r, int64_t h) { return double{q[r * depth + h]}; }, 1.0,
+            [&](int64_t j, int64_t r) { return double{p[j * ld_st + r]}; }, st, ld_st, acc, ld_acc);
         EXPECT_LT(dot_error, 1e-5 * depth);
         EXPECT_LT(acc_error, 1e-5 * keys);
       }
@@ -121,30 +137,10 @@ TEST_P(Bf16RowDotsTest, MatchFloat64WithWeightsRoundedToBf16) {
                               st.data(), ld_st);
         std::vector<float> acc(rows * ld_acc, 0.5f);
         kernels.accumulate_values_bf16(p.data(), ld_st, keys, rows, key_bits, ld_key, depth, acc.data(), ld_acc);
-        double dot_error = 0.0, acc_error = 0.0;
-        for (int64_t j = 0; j < keys; ++j) {
-          for (int64_t r = 0; r < rows; ++r) {
-            double want = 0.0;
-            for (int64_t h = 0; h < depth; ++h) want += double{key.Get(j * ld_key + h)} * q.Get(r * ld_q + h);
-            dot_error = std::max(dot_error, std::abs(scale * want - st[j * ld_st + r]));
-          }
-          for (int64_t r = rows; r < ld_st; ++r) EXPECT_TRUE(std::isnan(st[j * ld_st + r]));
-        }
-        for (int64_t r = 0; r < ld_st; ++r) EXPECT_TRUE(std::isnan(st[keys * ld_st + r]));
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t e = 0; e < ld_acc; ++e) {
-            if (e >= depth) {
-              EXPECT_EQ(acc[r * ld_acc + e], 0.5f);  // past the width: untouched
-              continue;
-            }
-            double want = 0.5;
-            for (int64_t j = 0; j < keys; ++j) {
-              const double weight = BFloat16ToFloat(FloatToBFloat16(p[j * ld_st + r]));
-              want += weight * key.Get(j * ld_key + e);
-            }
-            acc_error = std::max(acc_error, std::abs(want - acc[r * ld_acc + e]));
-          }
-        }
+        const auto [dot_error, acc_error] = RowProductErrors(
+            key, ld_key, keys, depth, rows, [&](int64_t r, int64_t h) { return double{q.Get(r * ld_q + h)}; }, scale,
+            [&](int64_t j, int64_t r) { return double{BFloat16ToFloat(FloatToBFloat16(p[j * ld_st + r]))}; }, st,
+            ld_st, acc, ld_acc);
         EXPECT_LT(dot_error, 1e-5 * depth);
         EXPECT_LT(acc_error, 1e-5 * keys);
       }
