@@ -79,9 +79,10 @@ struct GemmKernels {
 const GemmKernels& GetGemmKernels(Isa isa);
 
 // Writes C[m0:m1, n0:n1] = A[m0:m1, :] · B[:, n0:n1] (A is M x K, B is K x N, C is M x N).
-// K == 0 writes zeros. With a `bf16` engine and bf16 A and B, A and B are copied as bf16 (B in
-// VNNI panels) and multiplied by the engine, in the same block_k slices. Runs on the calling thread with thread-local scratch. float64 operands
-// (all three) take a plain double-precision loop instead of the packed fp32 path.
+// K == 0 writes zeros. With a `bf16` engine and bf16 A and B (unless B would be read in place
+// for fewer rows than one 16-row tile), A and B are copied as bf16 (B in VNNI panels) and multiplied by the engine, in the same
+// block_k slices. Runs on the calling thread with thread-local scratch. float64 operands (all
+// three) take a plain double-precision loop instead of the packed fp32 path.
 void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b,
                 const MutableMatrix& c, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
                 const GemmBlocking& blocking);
