@@ -162,9 +162,18 @@ def test_bf16_decode_row_products_match_float64(impl, option, t, hv):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("TOKAMAX_CPU_ISA", isa)
             try:
-                assert_matches_oracle(impl, (q, k, v, bias, mask), kwargs, torch.bfloat16)
+                out, lse = assert_matches_oracle(impl, (q, k, v, bias, mask), kwargs, torch.bfloat16)
             except RuntimeError as e:
                 assert "not supported" in str(e)
+                continue
+            # The same bits again, and on one thread (the splits depend on the config only).
+            threads = torch.get_num_threads()
+            try:
+                torch.set_num_threads(1)
+                again, lse_again = impl(q, k, v, bias, mask, return_residuals=True, **kwargs)
+            finally:
+                torch.set_num_threads(threads)
+            assert torch.equal(out, again) and torch.equal(lse, lse_again)
 
 
 def test_matches_sdpa(impl):
