@@ -64,7 +64,9 @@ void KeyDotsBf16(const uint16_t* key, int64_t ld_key, int64_t keys, int64_t dept
     for (; j + kKeys <= keys; j += kKeys) {
       KeyDotsBf16Group<kRows, kKeys>(key + j * ld_key, ld_key, depth, q, ld_q, scale, st + j * ld_st, ld_st);
     }
-    for (; j < keys; ++j) KeyDotsBf16Group<kRows, 1>(key + j * ld_key, ld_key, depth, q, ld_q, scale, st + j * ld_st, ld_st);
+    for (; j < keys; ++j) {
+      KeyDotsBf16Group<kRows, 1>(key + j * ld_key, ld_key, depth, q, ld_q, scale, st + j * ld_st, ld_st);
+    }
   });
 }
 
@@ -131,8 +133,8 @@ template <int64_t kRows, int64_t kBlocks>
   }
 }
 
-// Row products over at most kMaxKeys keys per call (the decode path's runs are 16): the
-// weights are rounded once, then the columns go in blocks of 8 / kRows x 32.
+// At most kMaxKeysPerCall keys at a time (the decode path's runs are 16): the weights are
+// rounded once, then the columns go in blocks of 8 / kRows x 32.
 constexpr int64_t kMaxKeysPerCall = 64;
 
 void AccumulateValuesBf16(const float* p, int64_t ld_p, int64_t keys, int64_t rows, const uint16_t* value,
@@ -152,7 +154,8 @@ void AccumulateValuesBf16(const float* p, int64_t ld_p, int64_t keys, int64_t ro
       for (int64_t j = 0; j < n; j += 2) {
         const Vec even = _mm512_maskz_loadu_ps(row_mask, p + (j0 + j) * ld_p);
         const Vec odd = j + 1 < n ? _mm512_maskz_loadu_ps(row_mask, p + (j0 + j + 1) * ld_p) : Set1(0.0f);
-        const __m512i pairs = _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even)));
+        const __m512i rounded = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
+        const __m512i pairs = _mm512_permutexvar_epi16(interleave, rounded);
         _mm512_mask_storeu_epi32(weights + (j / 2) * kRows, row_mask, pairs);
       }
       constexpr int64_t kBlocks = 8 / kRows > 1 ? 8 / kRows : 1;

@@ -263,8 +263,8 @@ Panels PackedA(const float* x, int64_t depth, int64_t mr) { return {x, mr, mr * 
 // Packed B panels of `depth` (pack_b's layout).
 Panels PackedB(const float* x, int64_t depth, int64_t nr) { return {x, nr, depth * nr}; }
 
-// A bf16 K or V of every (batch, kv head) as an A operand of the bf16 product engine (bf16_gemm.h), copied once per call (O(S)
-// memory), in one of two layouts:
+// A bf16 K or V of every (batch, kv head) as an A operand of the bf16 product engine
+// (bf16_gemm.h), copied once per call (O(S) memory), in one of two layouts:
 //  - kRows: row-major [S + 16 rounded up to 16][C] (K in K·Qᵀ, V in V·dOᵀ: 16 keys per tile,
 //    read in whole tiles from any tile start, a multiple of 8);
 //  - kTransposed: [C][ld], ld that row count plus 32 (Vᵀ in Vᵀ·Pᵀ, Kᵀ in Kᵀ·dS: read 32 keys
@@ -455,7 +455,7 @@ struct SplitPartials {
 
 struct ForwardScratch {
   std::vector<float> q_panels, q_rows, k_panels, st, v_panels, acc, max, sum, sub, alpha, tile_max, out_rows;
-  std::vector<uint16_t> q_vnni, p_vnni;  // bf16 engine operands
+  std::vector<uint16_t> q_vnni, p_vnni, q_bf16_rows;  // bf16 operands (engine; row path)
   RowMasks row_masks;
 };
 
@@ -466,9 +466,8 @@ bool UseRowDots(const DotProductAttentionParams& p, int64_t q_blocks, int64_t ro
   return q_blocks == 1 && rows <= kMaxRowDotRows && p.k.strides[3] == 1 && p.v.strides[3] == 1;
 }
 
-// The bf16 product engine (AMX tiles or vdpbf16ps) takes bf16 q, k and v whose head dims fit whole
-// tiles; anything else keeps
-// the fp32 micro-kernels.
+// The bf16 product engine (AMX tiles or vdpbf16ps) takes bf16 q, k and v whose head dims fit
+// whole tiles; anything else keeps the fp32 micro-kernels.
 bool UseBf16Products(const DotProductAttentionParams& p, const Kernels& k) {
   return k.bf16 && p.q.dtype == DType::kBFloat16 && p.k.dtype == DType::kBFloat16 && p.v.dtype == DType::kBFloat16 &&
          p.q.sizes[3] % kBf16TileDepth == 0 && p.v.sizes[3] % kBf16TileRows == 0;
@@ -476,7 +475,8 @@ bool UseBf16Products(const DotProductAttentionParams& p, const Kernels& k) {
 
 // Its backward also multiplies over Hv (V·dOᵀ), so Hv must fill whole tile depths too.
 bool UseBf16ProductsBackward(const DotProductAttentionGradParams& g, const Kernels& k) {
-  return UseBf16Products(g.forward, k) && g.dout.dtype == DType::kBFloat16 && g.forward.v.sizes[3] % kBf16TileDepth == 0;
+  return UseBf16Products(g.forward, k) && g.dout.dtype == DType::kBFloat16 &&
+         g.forward.v.sizes[3] % kBf16TileDepth == 0;
 }
 
 void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, int64_t n, const float* acc, float sum,
@@ -522,7 +522,8 @@ constexpr int64_t kRowRunKeys = 16;
 // one process): bf16 1.07 -> 0.55 ms, fp32 1.30 -> 1.04 ms; into L1 both were slower.
 // Always inlined: as a call, GCC's IPA finds the function free of side effects (a prefetch has
 // none it models) and deletes every call to it.
-[[gnu::always_inline]] inline void PrefetchRowsToL2(const Tensor4View& x, int64_t b, int64_t first, int64_t last, int64_t h) {
+[[gnu::always_inline]] inline void PrefetchRowsToL2(const Tensor4View& x, int64_t b, int64_t first, int64_t last,
+                                                    int64_t h) {
   const int64_t bytes = x.sizes[3] * DTypeSize(x.dtype);
   for (int64_t r = first; r < last; ++r) {
     const char* row = static_cast<const char*>(ElementAddress(x, b, r, h, 0));
@@ -569,7 +570,7 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
   float* q = nullptr;  // row r: scale · q[t(r), n(r)]
   uint16_t* q_bf16 = nullptr;  // row r: q[t(r), n(r)]
   if (bf16_rows) {
-    q_bf16 = Scratch(s.q_vnni, count * head_dim);
+    q_bf16 = Scratch(s.q_bf16_rows, count * head_dim);
     GatherRowsBf16(p.q, rows, q_bf16, head_dim);
   } else {
     q = Scratch(s.q_rows, count * head_dim);
@@ -637,10 +638,10 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
 // A GEMM task: query block `rows` of one kv head against keys [kv_begin, kv_end), in tiles of
 // block_kv keys, two ways:
 //  - the fp32 micro-kernels (acc[row][e], P read in place as A);
-//  - `bf16` (the tier's bf16 product engine on per-call K/Vᵀ copies): st = K·Qᵀ with Q in VNNI panels (unscaled,
-//    so exact, the scale applied to st), and the accumulator kept transposed, accᵀ[e][row] +=
-//    Vᵀ·Pᵀ, so P needs no transpose, only its key pairs rounded to bf16 (as flash attention
-//    does on GPUs).
+//  - `bf16` (the tier's bf16 product engine on per-call K/Vᵀ copies): st = K·Qᵀ with Q in VNNI
+//    panels (unscaled, so exact, the scale applied to st), and the accumulator kept transposed,
+//    accᵀ[e][row] += Vᵀ·Pᵀ, so P needs no transpose, only its key pairs rounded to bf16 (as
+//    flash attention does on GPUs).
 void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernels& k,
                  const DotProductAttentionConfig& config, const TaskRows& rows, int64_t kv_begin, int64_t kv_end,
                  int64_t split, SplitPartials* partials, const KvTiles& k_tiles, const KvTiles& v_tiles,
@@ -771,8 +772,8 @@ struct Bf16BackwardOperands {
 // One chunk of query blocks of one (batch, kv head): dq of its rows is written directly, dk/dv
 // partial sums go to dk_acc/dv_acc ([S + 16 rows] x ld, this chunk's own).
 //
-// With `bf16` the five products run on the bf16 product engine: st = K·Qᵀ and dPᵀ = V·dOᵀ as in the
-// forward (Q and dO in VNNI panels), dV += P·dO and dK += dS·Q with P and dS rounded to bf16
+// With `bf16` the five products run on the bf16 product engine: st = K·Qᵀ and dPᵀ = V·dOᵀ as in
+// the forward (Q and dO in VNNI panels), dV += P·dO and dK += dS·Q with P and dS rounded to bf16
 // rows and dO and Q (unscaled: dK is scaled when stored) as VNNI panels over the block's rows,
 // and dQᵀ += Kᵀ·dS with dS's key pairs in VNNI panels, dQ kept transposed.
 void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const Kernels& k,
@@ -1074,8 +1075,9 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
   const bool pack_all = q_blocks > 1 && d.kv_len > 0 && !use_bf16;
   std::unique_ptr<Bf16BackwardOperands> bf16_ops;
   if (use_bf16) {
-    bf16_ops.reset(new Bf16BackwardOperands{Bf16Operand(p.k, Bf16Operand::kRows), Bf16Operand(p.k, Bf16Operand::kTransposed),
-                                          Bf16Operand(p.v, Bf16Operand::kRows)});
+    bf16_ops.reset(new Bf16BackwardOperands{Bf16Operand(p.k, Bf16Operand::kRows),
+                                            Bf16Operand(p.k, Bf16Operand::kTransposed),
+                                            Bf16Operand(p.v, Bf16Operand::kRows)});
   }
   const KvTiles k_tiles(*k.gemm, p.k, config.block_kv, /*as_a=*/true, pack_all);
   const KvTiles v_tiles(*k.gemm, p.v, config.block_kv, /*as_a=*/true, pack_all);
