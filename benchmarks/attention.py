@@ -55,9 +55,11 @@ _LIBC = None  # set by main() after every timing, since fresh mmaps slow allocat
 
 def peak_memory_mib(fn) -> float:
     """Growth of the resident set's high-water mark during fn() (Linux: clear_refs resets it).
-    Counts every allocation, the kernels' own scratch included, not only torch tensors."""
+    Counts every allocation, the kernels' own scratch included (their cache of released
+    buffers emptied first), not only torch tensors."""
     if _LIBC is None:
         return float("nan")
+    tokamax_torch.empty_cache()  # so the call's working memory is mapped, and counted, afresh
     _LIBC.malloc_trim(0)
     try:
         with open("/proc/self/clear_refs", "w") as f:

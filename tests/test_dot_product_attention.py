@@ -2,6 +2,9 @@
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -259,6 +262,43 @@ def test_bitwise_deterministic_across_runs_and_threads(impl):
     for a, b, c in zip(first, single, again):
         assert torch.equal(a, b) and torch.equal(a, c)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reused_working_memory_gives_the_same_bits(dtype):
+    # Packed K/V copies and dK/dV partial sums of this size (2-4 MiB) are mapped and, once
+    # released, kept for the next call: a reused buffer holds the previous call's values, which
+    # must never reach a result.
+    q, k, v = make_qkv(1, 512, 512, 8, 8, 128, dtype=dtype, requires_grad=True)
+    dout = torch.randn(1, 512, 8, 128, dtype=dtype)
+
+    def forward_backward():
+        out = dpa.kernel(q, k, v, is_causal=True)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    tokamax_torch.empty_cache()
+    assert tokamax_torch.cached_bytes() == 0
+    fresh = forward_backward()
+    assert tokamax_torch.cached_bytes() > 0
+    reused = forward_backward()
+    other = make_qkv(1, 512, 512, 8, 8, 128, dtype=dtype)  # different values through the buffers
+    dpa.kernel(*other, is_causal=True)
+    again = forward_backward()
+    tokamax_torch.empty_cache()
+    assert tokamax_torch.cached_bytes() == 0
+    for a, b, c in zip(fresh, reused, again):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_buffer_cache_limit_from_environment():
+    code = ("import torch, tokamax_torch as t; q = torch.randn(1, 512, 8, 128);"
+            " t.dot_product_attention(q, q, q, is_causal=True); print(t.cached_bytes())")
+    env = dict(os.environ, TOKAMAX_BUFFER_CACHE_MIB="0")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert int(result.stdout.strip()) == 0
+    env["TOKAMAX_BUFFER_CACHE_MIB"] = "64"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert 0 < int(result.stdout.strip()) <= 64 << 20
 
 # ---- gradients ----------------------------------------------------------------------------------
 

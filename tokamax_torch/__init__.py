@@ -34,6 +34,22 @@ def device_kind(device=None) -> str:
     return f"{vendor}_{microarchitecture}_{isa}"
 
 
+def empty_cache() -> None:
+    """Returns the kernels' cached working memory to the operating system.
+
+    Large per-call buffers (packed K/V copies, partial sums) are kept after a call, up to
+    ``TOKAMAX_BUFFER_CACHE_MIB`` MiB (default 256; 0 keeps none), so the next call of about the
+    same size reuses pages that are already mapped instead of faulting in fresh zeroed ones.
+    ``cached_bytes()`` says how much is held.
+    """
+    torch.ops.tokamax._empty_buffer_cache()
+
+
+def cached_bytes() -> int:
+    """Bytes of working memory the kernels hold for reuse (see ``empty_cache``)."""
+    return int(torch.ops.tokamax._buffer_cache_bytes())
+
+
 def get_configs(op, *args, from_autotuning_cache: bool = False, **kwargs):
     """The (fwd_config, bwd_config) to pass back to ``op`` as ``configs=``.
 
@@ -52,9 +68,11 @@ def get_configs(op, *args, from_autotuning_cache: bool = False, **kwargs):
 __all__ = [
     "AutotuningResult",
     "autotune",
+    "cached_bytes",
     "config",
     "device_kind",
     "dot_product_attention",
+    "empty_cache",
     "get_configs",
     "ops",
     "ragged_dot",

@@ -1,8 +1,11 @@
 #include "csrc/core/large_buffer.h"
 
 #include <cstdlib>
+#include <cstring>
+#include <mutex>
 #include <new>
 #include <utility>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -12,23 +15,134 @@ namespace tokamax {
 namespace {
 
 constexpr size_t kHugePage = size_t{2} << 20;
+constexpr size_t kDefaultCacheMib = 256;
+
+size_t LimitFromEnvironment() {
+  const char* value = std::getenv("TOKAMAX_BUFFER_CACHE_MIB");
+  if (value == nullptr || *value == '\0') return kDefaultCacheMib << 20;
+  char* end = nullptr;
+  const long long mib = std::strtoll(value, &end, 10);
+  // Anything but a non-negative integer keeps the default (a warning would need a logger the
+  // core does not have; docs/design.md states the format).
+  if (*end != '\0' || mib < 0) return kDefaultCacheMib << 20;
+  return static_cast<size_t>(mib) << 20;
+}
+
+struct Mapping {
+  void* base = nullptr;
+  size_t bytes = 0;
+};
+
+// Released mappings, most recently released last. A request takes the smallest one that holds
+// it and is at most twice its size (a small buffer does not pin a large mapping).
+class MappingCache {
+ public:
+  static MappingCache& Get() {
+    static MappingCache* cache = new MappingCache();  // never destroyed: buffers may outlive statics
+    return *cache;
+  }
+
+  Mapping Take(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t best = free_.size();
+    for (size_t i = 0; i < free_.size(); ++i) {
+      const size_t size = free_[i].bytes;
+      if (size >= bytes && size / 2 <= bytes && (best == free_.size() || size < free_[best].bytes)) best = i;
+    }
+    if (best == free_.size()) return {};
+    const Mapping taken = free_[best];
+    free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(best));
+    cached_ -= taken.bytes;
+    return taken;
+  }
+
+  // Keeps `m` when it fits the limit, evicting the oldest mappings for it; else unmaps it.
+  void Give(Mapping m) {
+    std::vector<Mapping> evicted;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (m.bytes > limit_) {
+        evicted.push_back(m);
+      } else {
+        free_.push_back(m);
+        cached_ += m.bytes;
+        EvictOver(limit_, &evicted);
+      }
+    }
+    Unmap(evicted);
+  }
+
+  size_t limit() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return limit_;
+  }
+
+  size_t cached() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return cached_;
+  }
+
+  // Evicts down to `keep` bytes; with `new_limit`, also sets the limit.
+  void Shrink(size_t keep, const size_t* new_limit) {
+    std::vector<Mapping> evicted;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (new_limit != nullptr) limit_ = *new_limit;
+      EvictOver(keep, &evicted);
+    }
+    Unmap(evicted);
+  }
+
+ private:
+  MappingCache() : limit_(LimitFromEnvironment()) {}
+
+  void EvictOver(size_t keep, std::vector<Mapping>* evicted) {
+    size_t drop = 0;
+    while (cached_ > keep && drop < free_.size()) {
+      cached_ -= free_[drop].bytes;
+      evicted->push_back(free_[drop++]);
+    }
+    free_.erase(free_.begin(), free_.begin() + static_cast<std::ptrdiff_t>(drop));
+  }
+
+  // Outside the lock: munmap can take a while (TLB shootdowns).
+  static void Unmap(const std::vector<Mapping>& mappings) {
+#if defined(__linux__)
+    for (const Mapping& m : mappings) munmap(m.base, m.bytes);
+#endif
+  }
+
+  std::mutex mutex_;
+  std::vector<Mapping> free_;
+  size_t cached_ = 0;
+  size_t limit_;
+};
 
 }  // namespace
 
 LargeBufferBytes::LargeBufferBytes(size_t bytes, bool zeroed) {
 #if defined(__linux__)
   if (bytes > kMapThreshold) {
-    // Anonymous mappings are zero-filled by the kernel on first touch: no memset pass. Over-map
-    // by one huge page so the buffer can start on a 2 MiB boundary, where whole huge pages fit.
+    // Over-map by one huge page so the buffer can start on a 2 MiB boundary, where whole huge
+    // pages fit.
     const size_t length = (bytes + kHugePage - 1) / kHugePage * kHugePage + kHugePage;
-    void* mapping = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (mapping != MAP_FAILED) {
-      const uintptr_t start = (reinterpret_cast<uintptr_t>(mapping) + kHugePage - 1) / kHugePage * kHugePage;
-      madvise(reinterpret_cast<void*>(start), length - (start - reinterpret_cast<uintptr_t>(mapping)),
-              MADV_HUGEPAGE);  // advice only: where it is refused, 4 KiB pages serve as before
-      mapping_ = mapping;
-      mapped_bytes_ = length;
+    Mapping m = MappingCache::Get().Take(length);
+    const bool reused = m.base != nullptr;
+    if (!reused) {
+      // Anonymous mappings are zero-filled by the kernel on first touch: no memset pass.
+      void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (base != MAP_FAILED) m = {base, length};
+    }
+    if (m.base != nullptr) {
+      const uintptr_t start = (reinterpret_cast<uintptr_t>(m.base) + kHugePage - 1) / kHugePage * kHugePage;
+      if (!reused) {
+        madvise(reinterpret_cast<void*>(start), m.bytes - (start - reinterpret_cast<uintptr_t>(m.base)),
+                MADV_HUGEPAGE);  // advice only: where it is refused, 4 KiB pages serve as before
+      }
+      mapping_ = m.base;
+      mapped_bytes_ = m.bytes;
       data_ = reinterpret_cast<void*>(start);
+      if (reused && zeroed) std::memset(data_, 0, bytes);
       return;
     }
   }
@@ -56,16 +170,22 @@ LargeBufferBytes& LargeBufferBytes::operator=(LargeBufferBytes&& other) noexcept
 }
 
 void LargeBufferBytes::Release() {
-#if defined(__linux__)
   if (mapping_ != nullptr) {
-    munmap(mapping_, mapped_bytes_);
+    MappingCache::Get().Give({mapping_, mapped_bytes_});
     mapping_ = nullptr;
     data_ = nullptr;
     return;
   }
-#endif
   std::free(data_);
   data_ = nullptr;
 }
+
+size_t LargeBufferCacheLimit() { return MappingCache::Get().limit(); }
+
+void SetLargeBufferCacheLimit(size_t bytes) { MappingCache::Get().Shrink(bytes, &bytes); }
+
+size_t LargeBufferCachedBytes() { return MappingCache::Get().cached(); }
+
+void ReleaseLargeBufferCache() { MappingCache::Get().Shrink(0, nullptr); }
 
 }  // namespace tokamax

@@ -10,6 +10,7 @@
 
 #include "csrc/core/cpu_info.h"
 #include "csrc/core/isa.h"
+#include "csrc/core/large_buffer.h"
 #include "csrc/core/parallel.h"
 #include "csrc/core/roofline.h"
 
@@ -81,4 +82,7 @@ std::vector<double> MeasureCeilings(const at::Tensor& buffer, int64_t fma_iterat
 TORCH_LIBRARY(tokamax, m) {
   m.def("_cpu_description() -> str[]", &tokamax::CpuDescription);
   m.def("_measure_ceilings(Tensor buffer, int fma_iterations) -> float[]", &tokamax::MeasureCeilings);
+  // The kernels' cache of working-memory mappings (large_buffer.h): bytes held, and unmap all.
+  m.def("_buffer_cache_bytes() -> int", [] { return static_cast<int64_t>(tokamax::LargeBufferCachedBytes()); });
+  m.def("_empty_buffer_cache() -> ()", [] { tokamax::ReleaseLargeBufferCache(); });
 }
