@@ -27,6 +27,9 @@ constexpr int64_t kTargetRows = 96;
 // logsumexp merge of the splits costs ~1% at S=4096, N=32).
 constexpr int64_t kTargetForwardTasks = 32;
 constexpr int64_t kTargetBackwardTasks = 4;
+// Key counts that split into whole fp32 micro-kernel panels on every tier (mr 6 and 12), and
+// are multiples of 8 as configs must be.
+constexpr int64_t kFp32KvMultiple = 24;
 
 Status FieldError(const char* field, const std::string& expected, int64_t got) {
   return Status::Error(std::string("dot_product_attention config: ") + field + " must be " + expected +
@@ -77,10 +80,10 @@ Status DotProductAttentionConfig::FromVector(const std::vector<int64_t>& values,
 
 DotProductAttentionConfig DotProductAttentionHeuristicConfig(const DotProductAttentionShape& shape, DType dtype,
                                                              const CpuInfo& cpu, int product) {
-  // The tiling is dtype-independent: the fp32 paths widen every operand while packing, and the
-  // bf16 engine's tiles (avx512bf16, amx), half the bytes, fit wherever the fp32 ones do (an A/B
-  // of block sizes on the amx paths stayed within the noise, docs/benchmarks.md).
-  (void)dtype;
+  // The block sizes fit L2 for every dtype: the fp32 paths widen every operand while packing,
+  // and the bf16 engine's tiles (avx512bf16, amx), half the bytes, fit wherever the fp32 ones do
+  // (an A/B of block sizes on the amx paths stayed within the noise, docs/benchmarks.md). Only
+  // block_kv's rounding depends on the dtype, below.
   DotProductAttentionConfig config;
   const int64_t group = GroupOf(shape);
   // A tile's rows are (position, query head) pairs: block_q positions times the group.
@@ -92,15 +95,24 @@ DotProductAttentionConfig DotProductAttentionHeuristicConfig(const DotProductAtt
   config.block_kv = shape.block_sparse ? 128 : 256;
   if (cpu.l2_bytes < 512 * 1024) config.block_kv = 128;
   const int64_t q_blocks = CeilDiv(std::max<int64_t>(shape.q_len, 1), config.block_q);
+  // Decode-sized calls take the row path (no GEMM tiles): a single block of at most
+  // kMaxRowDotRows rows.
+  const bool row_path = q_blocks == 1 && config.block_q * group <= kMaxRowDotRows;
+  if (dtype != DType::kBFloat16 && !row_path) {
+    // The fp32 micro-kernels cut a kv tile into panels of mr keys (12 on avx512, 6 on avx2):
+    // 128 keys are 10 2/3 panels, the last a third padding, 3% of four of the seven products.
+    // A multiple of 24 (also of 8) has no partial panel on any tier: 128 -> 120, 256 -> 240
+    // (causal fp32 GQA 32/8 at T=S=2048 on Zen 4: forward+backward 643-665 against 654-684 ms).
+    // bf16 keeps 128 and 256: the bf16 engine's tiles are 16 keys, and 32 deep for Kᵀ·dS.
+    config.block_kv = config.block_kv / kFp32KvMultiple * kFp32KvMultiple;
+  }
   const int64_t kv_blocks = CeilDiv(std::max<int64_t>(shape.kv_len, 1), config.block_kv);
   const int64_t heads = std::max<int64_t>(shape.batch * shape.kv_heads, 1);
   // num_splits depends on the shape alone (never the thread count), so results are the same
   // bits on any machine with the same ISA tier.
   if (product == 0) {
-    // Decode: too few (batch, kv head, q block) tasks to fill the cores: split the keys. A
-    // single block of at most kMaxRowDotRows rows takes the row path, whose tasks hold every
-    // kv head of a batch.
-    const bool row_path = q_blocks == 1 && config.block_q * group <= kMaxRowDotRows;
+    // Decode: too few (batch, kv head, q block) tasks to fill the cores: split the keys. The
+    // row path's tasks hold every kv head of a batch.
     const int64_t tasks = (row_path ? std::max<int64_t>(shape.batch, 1) : heads) * q_blocks;
     if (tasks < kTargetForwardTasks) {
       config.num_splits = std::min(CeilDiv(kTargetForwardTasks, tasks), kv_blocks);
@@ -128,7 +140,8 @@ std::vector<DotProductAttentionConfig> DotProductAttentionConfigSpace(const DotP
       for (int64_t split_factor : {1, 2}) {
         DotProductAttentionConfig config;
         config.block_q = std::min(std::max<int64_t>(1, rows / group), max_q);
-        config.block_kv = block_kv;
+        // fp32: whole micro-kernel panels, as the heuristic (64 -> 48, 128 -> 120, ...).
+        config.block_kv = dtype == DType::kBFloat16 ? block_kv : block_kv / kFp32KvMultiple * kFp32KvMultiple;
         config.num_splits = std::min(heuristic.num_splits * split_factor, kMaxSplits);
         if (!config.Validate().ok() || !seen.insert(config.ToVector()).second) continue;
         space.push_back(config);
