@@ -1,7 +1,7 @@
 """dot_product_attention benchmark: the tokamax kernel against F.scaled_dot_product_attention.
 
-Every case runs both side by side in one process, their timed calls alternating (5 of each
-after a warm-up; the median), so a drift of the machine's speed hits both. SDPA gets the equivalent inputs: [B, N, T, H]
+Every case runs both side by side in one process, their timed calls alternating (7 of each
+after a warm-up, decode 48 or more; the median), so a drift of the machine's speed hits both. SDPA gets the equivalent inputs: [B, N, T, H]
 transposed views (no copies), enable_gqa=True, and an explicit dense bool mask where it has no
 argument for the feature (sliding windows, packed segments). Reported per case: median time,
 useful GFLOP/s (visible (query, key) pairs only) and the fraction of the fp32 FMA peak measured
@@ -186,6 +186,9 @@ def run_decode(reps: int, read_gbps: float, l3_bytes: int, quick: bool) -> list[
         same_read_gbps = float("nan")
         kv_bytes = 2 * b * s * kh * h * torch.tensor([], dtype=dtype).element_size()
         copies = max(2, math.ceil(2 * l3_bytes / kv_bytes)) if not quick else 2
+        # A call takes about a millisecond and the VM's neighbours move single calls by 2x: many
+        # calls (whole rotations over the caches) make the median stable.
+        decode_reps = max(reps, 3 * copies) if quick else max(48, 12 * copies)
         torch.manual_seed(0)
         q = torch.randn(b, 1, n, h).to(dtype)
         caches = [(torch.randn(b, s, kh, h).to(dtype), torch.randn(b, s, kh, h).to(dtype)) for _ in range(copies)]
@@ -222,11 +225,11 @@ def run_decode(reps: int, read_gbps: float, l3_bytes: int, quick: bool) -> list[
                         ms += x.numel() * x.element_size() / gbps * 1e-6
                     state["ms"].append(ms)
 
-                timing, _ = common.time_interleaved([step, plain_read], warmup=copies, reps=max(reps, 3 * copies))
+                timing, _ = common.time_interleaved([step, plain_read], warmup=copies, reps=decode_reps)
                 same_read_gbps = kv_bytes / statistics.median(read_state["ms"][copies:]) * 1e-6
                 del read_caches
             else:
-                timing = common.time_fn(step, warmup=copies, reps=max(reps, 3 * copies))
+                timing = common.time_fn(step, warmup=copies, reps=decode_reps)
             gbps = kv_bytes / timing["median_ms"] * 1e-6
             rows.append(dict(case="decode", dtype=str(dtype).removeprefix("torch."), pass_="fwd", impl=impl,
                              **timing, gbps=gbps, bw_fraction=gbps / read_gbps,
@@ -249,7 +252,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="half-size problems, fewer repetitions")
     args = parser.parse_args()
-    reps = 2 if args.quick else 5
+    reps = 2 if args.quick else 7
     info = common.machine()
     ceilings = common.measure_ceilings()
     print(f"machine: {info['cpu']} ({info['device_kind']}), {info['threads']} threads, torch {info['torch']}")
