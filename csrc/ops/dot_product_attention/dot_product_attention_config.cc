@@ -102,7 +102,7 @@ DotProductAttentionConfig DotProductAttentionHeuristicConfig(const DotProductAtt
     // The fp32 micro-kernels cut a kv tile into panels of mr keys (12 on avx512, 6 on avx2):
     // 128 keys are 10 2/3 panels, the last a third padding, 3% of four of the seven products.
     // A multiple of 24 (also of 8) has no partial panel on any tier: 128 -> 120, 256 -> 240
-    // (causal fp32 GQA 32/8 at T=S=2048 on Zen 4: forward+backward 643-665 against 654-684 ms).
+    // (causal fp32 GQA 32/8 at T=S=2048 on Zen 4: forward+backward 643-685 against 654-707 ms).
     // bf16 keeps 128 and 256: the bf16 engine's tiles are 16 keys, and 32 deep for Kᵀ·dS.
     config.block_kv = config.block_kv / kFp32KvMultiple * kFp32KvMultiple;
   }

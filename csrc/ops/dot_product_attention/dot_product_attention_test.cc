@@ -380,6 +380,13 @@ TEST(DotProductAttentionConfigTest, HeuristicsSplitDecodeAndStayValid) {
   const DotProductAttentionConfig pre = DotProductAttentionHeuristicConfig(prefill, DType::kBFloat16, cpu, 0);
   EXPECT_EQ(pre.num_splits, 1);
   EXPECT_EQ(pre.block_q, 96);
+  EXPECT_EQ(pre.block_kv % 32, 0);  // bf16: whole tiles of the bf16 engine (16 keys, 32 deep)
+  // fp32: whole micro-kernel panels on every tier (mr 6 and 12), for the heuristic and the space.
+  EXPECT_EQ(DotProductAttentionHeuristicConfig(prefill, DType::kFloat32, cpu, 0).block_kv % 24, 0);
+  EXPECT_EQ(DotProductAttentionHeuristicConfig(prefill, DType::kFloat32, cpu, 1).block_kv % 24, 0);
+  for (const DotProductAttentionConfig& c : DotProductAttentionConfigSpace(prefill, DType::kFloat32, cpu, 0)) {
+    EXPECT_EQ(c.block_kv % 24, 0) << c.block_kv;
+  }
   for (const DotProductAttentionConfig& c : DotProductAttentionConfigSpace(prefill, DType::kFloat32, cpu, 1)) {
     EXPECT_TRUE(c.Validate().ok());
   }
