@@ -263,7 +263,6 @@ def test_bitwise_deterministic_across_runs_and_threads(impl):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reused_working_memory_gives_the_same_bits(dtype):
     # Packed K/V copies and dK/dV partial sums of this size (2-4 MiB) are mapped and, once
@@ -299,6 +298,7 @@ def test_buffer_cache_limit_from_environment():
     env["TOKAMAX_BUFFER_CACHE_MIB"] = "64"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert 0 < int(result.stdout.strip()) <= 64 << 20
+
 
 # ---- gradients ----------------------------------------------------------------------------------
 

@@ -82,8 +82,17 @@ class MappingCache {
     return cached_;
   }
 
-  // Evicts down to `keep` bytes; with `new_limit`, also sets the limit.
-  void Shrink(size_t keep, const size_t* new_limit) {
+  // Sets the limit and evicts what no longer fits.
+  void SetLimit(size_t bytes) { Evict(&bytes, bytes); }
+
+  // Unmaps everything cached; the limit stays.
+  void Clear() { Evict(nullptr, 0); }
+
+ private:
+  MappingCache() : limit_(LimitFromEnvironment()) {}
+
+  // Sets the limit when `new_limit` is given, then evicts down to `keep` bytes.
+  void Evict(const size_t* new_limit, size_t keep) {
     std::vector<Mapping> evicted;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -92,9 +101,6 @@ class MappingCache {
     }
     Unmap(evicted);
   }
-
- private:
-  MappingCache() : limit_(LimitFromEnvironment()) {}
 
   void EvictOver(size_t keep, std::vector<Mapping>* evicted) {
     size_t drop = 0;
@@ -182,10 +188,10 @@ void LargeBufferBytes::Release() {
 
 size_t LargeBufferCacheLimit() { return MappingCache::Get().limit(); }
 
-void SetLargeBufferCacheLimit(size_t bytes) { MappingCache::Get().Shrink(bytes, &bytes); }
+void SetLargeBufferCacheLimit(size_t bytes) { MappingCache::Get().SetLimit(bytes); }
 
 size_t LargeBufferCachedBytes() { return MappingCache::Get().cached(); }
 
-void ReleaseLargeBufferCache() { MappingCache::Get().Shrink(0, nullptr); }
+void ReleaseLargeBufferCache() { MappingCache::Get().Clear(); }
 
 }  // namespace tokamax

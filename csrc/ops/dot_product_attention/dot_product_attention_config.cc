@@ -31,6 +31,16 @@ constexpr int64_t kTargetBackwardTasks = 4;
 // are multiples of 8 as configs must be.
 constexpr int64_t kFp32KvMultiple = 24;
 
+// block_kv for the products of `dtype`. The fp32 micro-kernels (every dtype but bf16 widens to
+// them) cut a kv tile into panels of mr keys: 128 keys are 10 2/3 panels, the last a third
+// padding, 3% of four of the seven products, so fp32 tiles round down to a multiple of 24
+// (128 -> 120, 256 -> 240; causal fp32 GQA 32/8 at T=S=2048 on Zen 4: forward+backward
+// 643-685 against 654-707 ms). bf16 keeps its size: the bf16 engine's tiles are 16 keys, and
+// 32 deep for Kᵀ·dS.
+int64_t KvTileKeys(int64_t block_kv, DType dtype) {
+  return dtype == DType::kBFloat16 ? block_kv : block_kv / kFp32KvMultiple * kFp32KvMultiple;
+}
+
 Status FieldError(const char* field, const std::string& expected, int64_t got) {
   return Status::Error(std::string("dot_product_attention config: ") + field + " must be " + expected +
                        ", got " + std::to_string(got));
@@ -98,14 +108,7 @@ DotProductAttentionConfig DotProductAttentionHeuristicConfig(const DotProductAtt
   // Decode-sized calls take the row path (no GEMM tiles): a single block of at most
   // kMaxRowDotRows rows.
   const bool row_path = q_blocks == 1 && config.block_q * group <= kMaxRowDotRows;
-  if (dtype != DType::kBFloat16 && !row_path) {
-    // The fp32 micro-kernels cut a kv tile into panels of mr keys (12 on avx512, 6 on avx2):
-    // 128 keys are 10 2/3 panels, the last a third padding, 3% of four of the seven products.
-    // A multiple of 24 (also of 8) has no partial panel on any tier: 128 -> 120, 256 -> 240
-    // (causal fp32 GQA 32/8 at T=S=2048 on Zen 4: forward+backward 643-685 against 654-707 ms).
-    // bf16 keeps 128 and 256: the bf16 engine's tiles are 16 keys, and 32 deep for Kᵀ·dS.
-    config.block_kv = config.block_kv / kFp32KvMultiple * kFp32KvMultiple;
-  }
+  if (!row_path) config.block_kv = KvTileKeys(config.block_kv, dtype);
   const int64_t kv_blocks = CeilDiv(std::max<int64_t>(shape.kv_len, 1), config.block_kv);
   const int64_t heads = std::max<int64_t>(shape.batch * shape.kv_heads, 1);
   // num_splits depends on the shape alone (never the thread count), so results are the same
@@ -140,8 +143,7 @@ std::vector<DotProductAttentionConfig> DotProductAttentionConfigSpace(const DotP
       for (int64_t split_factor : {1, 2}) {
         DotProductAttentionConfig config;
         config.block_q = std::min(std::max<int64_t>(1, rows / group), max_q);
-        // fp32: whole micro-kernel panels, as the heuristic (64 -> 48, 128 -> 120, ...).
-        config.block_kv = dtype == DType::kBFloat16 ? block_kv : block_kv / kFp32KvMultiple * kFp32KvMultiple;
+        config.block_kv = KvTileKeys(block_kv, dtype);  // as the heuristic: 64 -> 48, 128 -> 120, ...
         config.num_splits = std::min(heuristic.num_splits * split_factor, kMaxSplits);
         if (!config.Validate().ok() || !seen.insert(config.ToVector()).second) continue;
         space.push_back(config);
