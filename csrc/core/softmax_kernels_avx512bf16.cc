@@ -27,7 +27,7 @@ inline __m512bh LoadBf16(const uint16_t* p) { return reinterpret_cast<__m512bh>(
 template <int64_t kRows, int64_t kKeys>
 [[gnu::always_inline]] inline void KeyDotsBf16Group(const uint16_t* key, int64_t ld_key, int64_t depth,
                                                     const uint16_t* q, int64_t ld_q, float scale, float* st,
-                                                    int64_t ld_st) {
+                                                    int64_t ld_st, const uint16_t* next) {
   constexpr int64_t kAccumulators = CeilDivLanes(kRows * kKeys) * kLanes;
   Vec acc[kAccumulators];
 #pragma GCC unroll 16
@@ -39,6 +39,7 @@ template <int64_t kRows, int64_t kKeys>
 #pragma GCC unroll 16
     for (int64_t k = 0; k < kKeys; ++k) {
       const __m512bh kv = LoadBf16(key + k * ld_key + h);
+      if (next != nullptr) PrefetchVectorToL2(next + k * ld_key + h);
 #pragma GCC unroll 16
       for (int64_t r = 0; r < kRows; ++r) acc[k * kRows + r] = _mm512_dpbf16_ps(acc[k * kRows + r], kv, qv[r]);
     }
@@ -55,17 +56,19 @@ template <int64_t kRows, int64_t kKeys>
 }
 
 void KeyDotsBf16(const uint16_t* key, int64_t ld_key, int64_t keys, int64_t depth, const uint16_t* q, int64_t ld_q,
-                 int64_t rows, float scale, float* st, int64_t ld_st) {
+                 int64_t rows, float scale, float* st, int64_t ld_st, const uint16_t* next) {
   if (rows <= 0) return;
   DispatchRows<kMaxRowDotRows>(rows, [&](auto row_count) {
     constexpr int64_t kRows = decltype(row_count)::value;
     constexpr int64_t kKeys = kLanes / kRows > 1 ? kLanes / kRows : 1;
     int64_t j = 0;
     for (; j + kKeys <= keys; j += kKeys) {
-      KeyDotsBf16Group<kRows, kKeys>(key + j * ld_key, ld_key, depth, q, ld_q, scale, st + j * ld_st, ld_st);
+      KeyDotsBf16Group<kRows, kKeys>(key + j * ld_key, ld_key, depth, q, ld_q, scale, st + j * ld_st, ld_st,
+                                     next == nullptr ? nullptr : next + j * ld_key);
     }
     for (; j < keys; ++j) {
-      KeyDotsBf16Group<kRows, 1>(key + j * ld_key, ld_key, depth, q, ld_q, scale, st + j * ld_st, ld_st);
+      KeyDotsBf16Group<kRows, 1>(key + j * ld_key, ld_key, depth, q, ld_q, scale, st + j * ld_st, ld_st,
+                                 next == nullptr ? nullptr : next + j * ld_key);
     }
   });
 }
@@ -89,7 +92,7 @@ inline void FromPairOrder(Vec lo, Vec hi, Vec* n0, Vec* n1) {
 template <int64_t kRows, int64_t kBlocks>
 [[gnu::always_inline]] inline void AccumulateValuesBf16Block(const uint32_t* weights, int64_t keys,
                                                              const uint16_t* value, int64_t ld_value, int64_t e0,
-                                                             float* acc, int64_t ld_acc) {
+                                                             float* acc, int64_t ld_acc, const uint16_t* next) {
   Vec lo[kRows][kBlocks], hi[kRows][kBlocks];
 #pragma GCC unroll 16
   for (int64_t r = 0; r < kRows; ++r) {
@@ -107,6 +110,10 @@ template <int64_t kRows, int64_t kBlocks>
       const uint16_t* row = value + j * ld_value + e0 + 32 * b;
       const __m512i v0 = _mm512_loadu_si512(row);
       const __m512i v1 = j + 1 < keys ? _mm512_loadu_si512(row + ld_value) : zero;
+      if (next != nullptr) {
+        PrefetchVectorToL2(next + j * ld_value + e0 + 32 * b);
+        if (j + 1 < keys) PrefetchVectorToL2(next + (j + 1) * ld_value + e0 + 32 * b);
+      }
       vlo[b] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(v0, v1));
       vhi[b] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(v0, v1));
     }
@@ -138,7 +145,7 @@ template <int64_t kRows, int64_t kBlocks>
 constexpr int64_t kMaxKeysPerCall = 64;
 
 void AccumulateValuesBf16(const float* p, int64_t ld_p, int64_t keys, int64_t rows, const uint16_t* value,
-                          int64_t ld_value, int64_t width, float* acc, int64_t ld_acc) {
+                          int64_t ld_value, int64_t width, float* acc, int64_t ld_acc, const uint16_t* next) {
   if (rows <= 0 || keys <= 0) return;
   for (int64_t j0 = 0; j0 < keys; j0 += kMaxKeysPerCall) {
     const int64_t n = std::min(kMaxKeysPerCall, keys - j0);
@@ -160,11 +167,14 @@ void AccumulateValuesBf16(const float* p, int64_t ld_p, int64_t keys, int64_t ro
       }
       constexpr int64_t kBlocks = 8 / kRows > 1 ? 8 / kRows : 1;
       const uint16_t* v = value + j0 * ld_value;
+      const uint16_t* next_v = next == nullptr ? nullptr : next + j0 * ld_value;
       int64_t e0 = 0;
       for (; e0 + 32 * kBlocks <= width; e0 += 32 * kBlocks) {
-        AccumulateValuesBf16Block<kRows, kBlocks>(weights, n, v, ld_value, e0, acc, ld_acc);
+        AccumulateValuesBf16Block<kRows, kBlocks>(weights, n, v, ld_value, e0, acc, ld_acc, next_v);
       }
-      for (; e0 < width; e0 += 32) AccumulateValuesBf16Block<kRows, 1>(weights, n, v, ld_value, e0, acc, ld_acc);
+      for (; e0 < width; e0 += 32) {
+        AccumulateValuesBf16Block<kRows, 1>(weights, n, v, ld_value, e0, acc, ld_acc, next_v);
+      }
     });
   }
 }

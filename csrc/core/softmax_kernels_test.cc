@@ -72,9 +72,10 @@ TEST_P(RowDotsTest, KeyDotsAndAccumulateValuesMatchFloat64) {
         for (size_t i = 0; i < p.size(); ++i) p[i] = 0.25f + std::cos(0.11 * i) * 0.25f;
         // Poisoned where the kernels must not write: columns past `rows`, rows past `keys`.
         std::vector<float> st((keys + 1) * ld_st, std::nanf(""));
-        kernels.key_dots(dtype, key.data(), ld_key, keys, depth, q.data(), depth, rows, st.data(), ld_st);
+        kernels.key_dots(dtype, key.data(), ld_key, keys, depth, q.data(), depth, rows, st.data(), ld_st, nullptr);
         std::vector<float> acc(rows * ld_acc, 0.5f);
-        kernels.accumulate_values(dtype, p.data(), ld_st, keys, rows, key.data(), ld_key, depth, acc.data(), ld_acc);
+        kernels.accumulate_values(dtype, p.data(), ld_st, keys, rows, key.data(), ld_key, depth, acc.data(), ld_acc,
+                                  nullptr);
         const auto [dot_error, acc_error] = RowProductErrors(
             key, ld_key, keys, depth, rows, [&](int64_t r, int64_t h) { return double{q[r * depth + h]}; }, 1.0,
             [&](int64_t j, int64_t r) { return double{p[j * ld_st + r]}; }, st, ld_st, acc, ld_acc);
@@ -97,14 +98,39 @@ TEST_P(RowDotsTest, DotsDoNotDependOnHowKeysAreGrouped) {
   std::vector<float> q(rows * depth);
   for (size_t i = 0; i < q.size(); ++i) q[i] = std::cos(0.23 * i);
   std::vector<float> whole(keys * ld_st, 0.0f), pieces(keys * ld_st, 0.0f);
-  kernels.key_dots(dtype, key.data(), depth, keys, depth, q.data(), depth, rows, whole.data(), ld_st);
+  kernels.key_dots(dtype, key.data(), depth, keys, depth, q.data(), depth, rows, whole.data(), ld_st, nullptr);
   const auto* bytes = static_cast<const uint8_t*>(key.data());
   for (int64_t j0 = 0; j0 < keys; j0 += 3) {
     const int64_t n = std::min<int64_t>(3, keys - j0);
     kernels.key_dots(dtype, bytes + j0 * depth * DTypeSize(dtype), depth, n, depth, q.data(), depth, rows,
-                     pieces.data() + j0 * ld_st, ld_st);
+                     pieces.data() + j0 * ld_st, ld_st, nullptr);
   }
   EXPECT_EQ(whole, pieces);
+}
+
+TEST_P(RowDotsTest, PrefetchingTheNextRowsChangesNothing) {
+  // `next` rows are only asked for, never read: the same bits with and without them, and with
+  // rows that hold other values.
+  const auto [isa, dtype] = GetParam();
+  if (!IsaSupported(isa, GetCpuInfo())) GTEST_SKIP() << IsaName(isa) << " not supported here";
+  const SoftmaxKernels& kernels = GetSoftmaxKernels(isa);
+  const int64_t keys = 19, depth = 136, rows = 4, ld_key = depth + 8, ld_st = 16;
+  Buffer key(dtype, keys * ld_key), next(dtype, keys * ld_key);
+  testing::FillRandom(key, keys * ld_key, 7);
+  testing::FillRandom(next, keys * ld_key, 8);
+  std::vector<float> q(rows * depth), p(keys * ld_st);
+  for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.19 * i);
+  for (size_t i = 0; i < p.size(); ++i) p[i] = 0.5f + std::cos(0.07 * i) * 0.25f;
+  std::vector<float> st_plain(keys * ld_st, 0.0f), st_next(keys * ld_st, 0.0f);
+  std::vector<float> acc_plain(rows * depth, 0.25f), acc_next(rows * depth, 0.25f);
+  kernels.key_dots(dtype, key.data(), ld_key, keys, depth, q.data(), depth, rows, st_plain.data(), ld_st, nullptr);
+  kernels.key_dots(dtype, key.data(), ld_key, keys, depth, q.data(), depth, rows, st_next.data(), ld_st, next.data());
+  kernels.accumulate_values(dtype, p.data(), ld_st, keys, rows, key.data(), ld_key, depth, acc_plain.data(), depth,
+                            nullptr);
+  kernels.accumulate_values(dtype, p.data(), ld_st, keys, rows, key.data(), ld_key, depth, acc_next.data(), depth,
+                            next.data());
+  EXPECT_EQ(st_plain, st_next);
+  EXPECT_EQ(acc_plain, acc_next);
 }
 
 // The bf16 row products (key_dots_bf16, accumulate_values_bf16) of the tiers that have them.
@@ -134,9 +160,10 @@ TEST_P(Bf16RowDotsTest, MatchFloat64WithWeightsRoundedToBf16) {
         const float scale = 0.37f;
         const auto* key_bits = static_cast<const uint16_t*>(key.data());
         kernels.key_dots_bf16(key_bits, ld_key, keys, depth, static_cast<const uint16_t*>(q.data()), ld_q, rows, scale,
-                              st.data(), ld_st);
+                              st.data(), ld_st, nullptr);
         std::vector<float> acc(rows * ld_acc, 0.5f);
-        kernels.accumulate_values_bf16(p.data(), ld_st, keys, rows, key_bits, ld_key, depth, acc.data(), ld_acc);
+        kernels.accumulate_values_bf16(p.data(), ld_st, keys, rows, key_bits, ld_key, depth, acc.data(), ld_acc,
+                                       nullptr);
         const auto [dot_error, acc_error] = RowProductErrors(
             key, ld_key, keys, depth, rows, [&](int64_t r, int64_t h) { return double{q.Get(r * ld_q + h)}; }, scale,
             [&](int64_t j, int64_t r) { return double{BFloat16ToFloat(FloatToBFloat16(p[j * ld_st + r]))}; }, st,
@@ -160,13 +187,40 @@ TEST_P(Bf16RowDotsTest, DotsDoNotDependOnHowKeysAreGrouped) {
   const auto* key_bits = static_cast<const uint16_t*>(key.data());
   const auto* q_bits = static_cast<const uint16_t*>(q.data());
   std::vector<float> whole(keys * ld_st, 0.0f), pieces(keys * ld_st, 0.0f);
-  kernels.key_dots_bf16(key_bits, depth, keys, depth, q_bits, depth, rows, 0.5f, whole.data(), ld_st);
+  kernels.key_dots_bf16(key_bits, depth, keys, depth, q_bits, depth, rows, 0.5f, whole.data(), ld_st, nullptr);
   for (int64_t j0 = 0; j0 < keys; j0 += 3) {
     const int64_t n = std::min<int64_t>(3, keys - j0);
     kernels.key_dots_bf16(key_bits + j0 * depth, depth, n, depth, q_bits, depth, rows, 0.5f,
-                          pieces.data() + j0 * ld_st, ld_st);
+                          pieces.data() + j0 * ld_st, ld_st, nullptr);
   }
   EXPECT_EQ(whole, pieces);
+}
+
+TEST_P(Bf16RowDotsTest, PrefetchingTheNextRowsChangesNothing) {
+  const Isa isa = GetParam();
+  if (!IsaSupported(isa, GetCpuInfo())) GTEST_SKIP() << IsaName(isa) << " not supported here";
+  const SoftmaxKernels& kernels = GetSoftmaxKernels(isa);
+  ASSERT_NE(kernels.key_dots_bf16, nullptr);
+  const int64_t keys = 19, depth = 128, rows = 4, ld_key = depth + 32, ld_st = 16;
+  Buffer key(DType::kBFloat16, keys * ld_key), next(DType::kBFloat16, keys * ld_key), q(DType::kBFloat16, rows * depth);
+  testing::FillRandom(key, keys * ld_key, 9);
+  testing::FillRandom(next, keys * ld_key, 10);
+  testing::FillRandom(q, rows * depth, 11);
+  const auto* key_bits = static_cast<const uint16_t*>(key.data());
+  const auto* next_bits = static_cast<const uint16_t*>(next.data());
+  const auto* q_bits = static_cast<const uint16_t*>(q.data());
+  std::vector<float> p(keys * ld_st);
+  for (size_t i = 0; i < p.size(); ++i) p[i] = 0.5f + std::cos(0.07 * i) * 0.25f;
+  std::vector<float> st_plain(keys * ld_st, 0.0f), st_next(keys * ld_st, 0.0f);
+  std::vector<float> acc_plain(rows * depth, 0.25f), acc_next(rows * depth, 0.25f);
+  kernels.key_dots_bf16(key_bits, ld_key, keys, depth, q_bits, depth, rows, 0.5f, st_plain.data(), ld_st, nullptr);
+  kernels.key_dots_bf16(key_bits, ld_key, keys, depth, q_bits, depth, rows, 0.5f, st_next.data(), ld_st, next_bits);
+  kernels.accumulate_values_bf16(p.data(), ld_st, keys, rows, key_bits, ld_key, depth, acc_plain.data(), depth,
+                                 nullptr);
+  kernels.accumulate_values_bf16(p.data(), ld_st, keys, rows, key_bits, ld_key, depth, acc_next.data(), depth,
+                                 next_bits);
+  EXPECT_EQ(st_plain, st_next);
+  EXPECT_EQ(acc_plain, acc_next);
 }
 
 INSTANTIATE_TEST_SUITE_P(TiersWithThem, Bf16RowDotsTest, ::testing::Values(Isa::kAvx512Bf16),

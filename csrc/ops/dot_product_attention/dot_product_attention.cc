@@ -514,12 +514,12 @@ void FinishRow(const DotProductAttentionParams& p, const Dims& d, int64_t b, int
 // at half the bandwidth.
 constexpr int64_t kRowRunKeys = 16;
 
-// Asks for x's rows [first, last) of kv head h into L2 (prefetcht1): the row path's reads one
-// run ahead, K's during the logits pass and V's during the values pass. The runs' rows of one
-// head sit a few KiB apart, which the hardware prefetchers do not follow far enough to hide
-// DRAM's latency; into L1 (prefetcht0) the 16 rows of a run, a page apart in an fp32 cache,
-// evict each other from their L1 sets. Measured on Zen 4 (S=4096, N=32, K=8, alternating in
-// one process): bf16 1.07 -> 0.55 ms, fp32 1.30 -> 1.04 ms; into L1 both were slower.
+// Asks for x's rows [first, last) of kv head h into L2 (prefetcht1) at once: the row path's
+// prefetch where the products cannot spread it (for_runs). The row path reads one run ahead,
+// the rows of one head a few KiB apart, which the hardware prefetchers do not follow far enough
+// to hide DRAM's latency; into L1 (prefetcht0) the 16 rows of a run, a page apart in an fp32
+// cache, evict each other from their L1 sets. Measured on Zen 4 (S=4096, N=32, K=8, in one
+// process): bf16 1.07 -> 0.55 ms, fp32 1.30 -> 1.04 ms; into L1 both were slower.
 // Always inlined: as a call, GCC's IPA finds the function free of side effects (a prefetch has
 // none it models) and deletes every call to it.
 [[gnu::always_inline]] inline void PrefetchRowsToL2(const Tensor4View& x, int64_t b, int64_t first, int64_t last,
@@ -592,41 +592,58 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
   ForEachVisibleTile(p.masks, s.row_masks, rows.b, count, kv_begin, kv_end, block,
                      [&](int64_t s0, TileVisibility visibility, int64_t keys) {
-    // run(h, first row of (kv head h, position), j0, keys of the run), in memory order, with
-    // x's rows of the next run (up to the task's last key) prefetched head by head.
-    auto for_runs = [&](const Tensor4View& x, auto&& run) {
+    // run(h, first row of (kv head h, position), j0, keys of the run, next) over x's runs, in
+    // memory order. `next` is the head's rows of the run read after this one: x's next run, or
+    // after the last one the first run of `then` from key then_s0 (V's after K's; after V's, the
+    // next tile's K). The products prefetch them as they go, one request beside each vector
+    // they load, when they have the run's shape; otherwise they are prefetched here at once.
+    auto for_runs = [&](const Tensor4View& x, const Tensor4View& then, int64_t then_s0, int64_t then_end,
+                        auto&& run) {
       for (int64_t j0 = 0; j0 < keys; j0 += kRowRunKeys) {
-        const int64_t next = s0 + j0 + kRowRunKeys, next_end = std::min(next + kRowRunKeys, kv_end);
+        const int64_t n = std::min(kRowRunKeys, keys - j0);
+        const bool last = j0 + kRowRunKeys >= keys;
+        const Tensor4View& nx = last ? then : x;
+        const int64_t next = last ? then_s0 : s0 + j0 + kRowRunKeys;
+        const int64_t next_end = std::min(next + kRowRunKeys, last ? then_end : s0 + keys);
+        const bool spread = next_end - next == n && nx.dtype == x.dtype && nx.strides[1] == x.strides[1] &&
+                            nx.sizes[3] == x.sizes[3];
         for (int64_t h = 0; h < d.kv_heads; ++h) {
-          PrefetchRowsToL2(x, rows.b, next, next_end, h);
+          const void* next_rows = nullptr;
+          if (spread) {
+            next_rows = ElementAddress(nx, rows.b, next, h, 0);
+          } else if (next < next_end) {
+            PrefetchRowsToL2(nx, rows.b, next, next_end, h);
+          }
           for (int64_t pos = 0; pos < rows.positions; ++pos) {
-            run(h, pos * d.q_heads + h * d.group, j0, std::min(kRowRunKeys, keys - j0));
+            run(h, pos * d.q_heads + h * d.group, j0, n, next_rows);
           }
         }
       }
     };
-    for_runs(p.k, [&](int64_t h, int64_t r0, int64_t j0, int64_t n) {
+    for_runs(p.k, p.v, s0, s0 + keys, [&](int64_t h, int64_t r0, int64_t j0, int64_t n, const void* next) {
       const void* key = ElementAddress(p.k, rows.b, s0 + j0, h, 0);
       if (bf16_rows) {
         k.softmax->key_dots_bf16(static_cast<const uint16_t*>(key), p.k.strides[1], n, head_dim,
-                                 q_bf16 + r0 * head_dim, head_dim, d.group, p.scale, st + j0 * cols + r0, cols);
+                                 q_bf16 + r0 * head_dim, head_dim, d.group, p.scale, st + j0 * cols + r0, cols,
+                                 static_cast<const uint16_t*>(next));
       } else {
         k.softmax->key_dots(p.k.dtype, key, p.k.strides[1], n, head_dim, q + r0 * head_dim, head_dim, d.group,
-                            st + j0 * cols + r0, cols);
+                            st + j0 * cols + r0, cols, next);
       }
     });
     FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, cols, nullptr);
     UpdateRunningMax(k, st, keys, cols, cols, max, sum, alpha, sub, tile_max);
     k.softmax->exp_columns(st, keys, cols, cols, sub, sum);
     k.softmax->scale_rows(acc, value_dim, count, value_dim, alpha);
-    for_runs(p.v, [&](int64_t h, int64_t r0, int64_t j0, int64_t n) {
+    for_runs(p.v, p.k, s0 + block, kv_end, [&](int64_t h, int64_t r0, int64_t j0, int64_t n, const void* next) {
       const void* value = ElementAddress(p.v, rows.b, s0 + j0, h, 0);
       if (bf16_rows) {
         k.softmax->accumulate_values_bf16(st + j0 * cols + r0, cols, n, d.group, static_cast<const uint16_t*>(value),
-                                          p.v.strides[1], value_dim, acc + r0 * value_dim, value_dim);
+                                          p.v.strides[1], value_dim, acc + r0 * value_dim, value_dim,
+                                          static_cast<const uint16_t*>(next));
       } else {
         k.softmax->accumulate_values(p.v.dtype, st + j0 * cols + r0, cols, n, d.group, value, p.v.strides[1],
-                                     value_dim, acc + r0 * value_dim, value_dim);
+                                     value_dim, acc + r0 * value_dim, value_dim, next);
       }
     });
   });
