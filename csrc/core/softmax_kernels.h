@@ -49,6 +49,9 @@ struct SoftmaxKernels {
                             const void* next);
   // x[r][c] *= scale[c] for r < rows, c < cols: scale_rows for a transposed accumulator.
   void (*scale_columns)(float* x, int64_t ld, int64_t rows, int64_t cols, const float* scale);
+  // dst[h] = scale * x[h] for h < count: one contiguous row of `dtype` widened to fp32, the same
+  // bits as the scalar product (attention gathers its q, dO and out rows this way).
+  void (*widen_row)(DType dtype, const void* x, int64_t count, float scale, float* dst);
   // The row products for bf16 K, V and queries on the AVX512-BF16 dot instruction, pairs of
   // elements per multiply-add (the avx512bf16 tier; null on the others). depth and width are
   // multiples of 32, rows at most kMaxRowDotRows.

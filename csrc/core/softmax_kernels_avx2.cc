@@ -70,7 +70,8 @@ const SoftmaxKernels& SoftmaxKernelsAvx2() {
   using namespace softmax_avx2;
   static const SoftmaxKernels kernels = {&ColumnMax,        &ExpColumns,         &MaskColumns,
                                           &ScaleRows,        &TransposePanels,    &SoftmaxGradColumns,
-                                          &KeyDots,          &AccumulateValues, &ScaleColumns};
+                                          &KeyDots,          &AccumulateValues,   &ScaleColumns,
+                                          &WidenRow};
   return kernels;
 }
 

@@ -21,7 +21,8 @@ const SoftmaxKernels& SoftmaxKernelsAvx512() {
   using namespace softmax_avx512;
   static const SoftmaxKernels kernels = {&ColumnMax,        &ExpColumns,         &MaskColumns,
                                           &ScaleRows,        &TransposePanels,    &SoftmaxGradColumns,
-                                          &KeyDots,          &AccumulateValues, &ScaleColumns};
+                                          &KeyDots,          &AccumulateValues,   &ScaleColumns,
+                                          &WidenRow};
   return kernels;
 }
 

@@ -186,7 +186,7 @@ const SoftmaxKernels& SoftmaxKernelsAvx512Bf16() {
   static const SoftmaxKernels kernels = {&ColumnMax,        &ExpColumns,         &MaskColumns,
                                           &ScaleRows,        &TransposePanels,    &SoftmaxGradColumns,
                                           &KeyDots,          &AccumulateValues,   &ScaleColumns,
-                                          &KeyDotsBf16,      &AccumulateValuesBf16};
+                                          &WidenRow,         &KeyDotsBf16,        &AccumulateValuesBf16};
   return kernels;
 }
 

@@ -35,7 +35,8 @@ const SoftmaxKernels& SoftmaxKernelsScalar() {
   using namespace softmax_scalar;
   static const SoftmaxKernels kernels = {&ColumnMax,        &ExpColumns,         &MaskColumns,
                                           &ScaleRows,        &TransposePanels,    &SoftmaxGradColumns,
-                                          &KeyDots,          &AccumulateValues, &ScaleColumns};
+                                          &KeyDots,          &AccumulateValues,   &ScaleColumns,
+                                          &WidenRow};
   return kernels;
 }
 

@@ -133,6 +133,20 @@ TEST_P(RowDotsTest, PrefetchingTheNextRowsChangesNothing) {
   EXPECT_EQ(acc_plain, acc_next);
 }
 
+TEST_P(RowDotsTest, WidenRowIsTheScalarProduct) {
+  const auto [isa, dtype] = GetParam();
+  if (!IsaSupported(isa, GetCpuInfo())) GTEST_SKIP() << IsaName(isa) << " not supported here";
+  const SoftmaxKernels& kernels = GetSoftmaxKernels(isa);
+  for (int64_t count : {1, 15, 16, 33, 128}) {
+    Buffer x(dtype, count, /*misalign=*/1);
+    testing::FillRandom(x, count, 13 + count);
+    std::vector<float> got(count + 1, std::nanf(""));
+    kernels.widen_row(dtype, x.data(), count, 0.125f * 3, got.data());
+    for (int64_t h = 0; h < count; ++h) EXPECT_EQ(got[h], 0.375f * x.Get(h)) << "count " << count << " h " << h;
+    EXPECT_TRUE(std::isnan(got[count])) << "wrote past count " << count;
+  }
+}
+
 // The bf16 row products (key_dots_bf16, accumulate_values_bf16) of the tiers that have them.
 class Bf16RowDotsTest : public ::testing::TestWithParam<Isa> {};
 

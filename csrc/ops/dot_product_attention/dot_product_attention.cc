@@ -130,7 +130,8 @@ struct TaskRows {
 // dst[r * ld + h] = scale · X[row r][h] for h < cols, zero for cols <= h < ld: the task's rows
 // of X (q, dout or out, gathered per TaskRows) as contiguous fp32 rows. Transposed by
 // SoftmaxKernels::transpose_panels, they are the GEMMs' B operand Xᵀ; read in place, X itself.
-void GatherRows(const Tensor4View& x, const TaskRows& rows, int64_t cols, float scale, float* dst, int64_t ld) {
+void GatherRows(const SoftmaxKernels& kernels, const Tensor4View& x, const TaskRows& rows, int64_t cols, float scale,
+                float* dst, int64_t ld) {
   DispatchDType(x.dtype, [&](auto tag) {
     using T = decltype(tag);
     const int64_t step = x.strides[3];
@@ -138,7 +139,7 @@ void GatherRows(const Tensor4View& x, const TaskRows& rows, int64_t cols, float 
       const T* src = static_cast<const T*>(ElementAddress(x, rows.b, rows.t(r), rows.n(r), 0));
       float* out = dst + r * ld;
       if (step == 1) {
-        for (int64_t h = 0; h < cols; ++h) out[h] = scale * LoadAsFloat(src + h);
+        kernels.widen_row(x.dtype, src, cols, scale, out);
       } else {
         for (int64_t h = 0; h < cols; ++h) out[h] = scale * LoadAsFloat(src + h * step);
       }
@@ -574,7 +575,7 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
     GatherRowsBf16(p.q, rows, q_bf16, head_dim);
   } else {
     q = Scratch(s.q_rows, count * head_dim);
-    GatherRows(p.q, rows, head_dim, p.scale, q, head_dim);
+    GatherRows(*k.softmax, p.q, rows, head_dim, p.scale, q, head_dim);
   }
   float* st = Scratch(s.st, block * cols);
   float* acc = Scratch(s.acc, count * value_dim);
@@ -698,7 +699,7 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
     PackRowsVnni(p.q, rows, cols, q_vnni);
   } else {
     float* q_rows = Scratch(s.q_rows, count * d.head_dim);
-    GatherRows(p.q, rows, d.head_dim, p.scale, q_rows, d.head_dim);
+    GatherRows(*k.softmax, p.q, rows, d.head_dim, p.scale, q_rows, d.head_dim);
     k.softmax->transpose_panels(q_rows, d.head_dim, count, d.head_dim, nr, q_panels);
   }
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
@@ -862,8 +863,8 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
     const bool any_visible = s.row_masks.max_end > 0;
     if (any_visible) {
       // The block's operands: Q (scaled, or for bf16 exact) and dO as rows, and transposed.
-      GatherRows(p.q, rows, d.head_dim, bf16 ? 1.0f : p.scale, q_rows, ld_dq);
-      GatherRows(g.dout, rows, d.value_dim, 1.0f, do_rows, ld_dv);
+      GatherRows(*k.softmax, p.q, rows, d.head_dim, bf16 ? 1.0f : p.scale, q_rows, ld_dq);
+      GatherRows(*k.softmax, g.dout, rows, d.value_dim, 1.0f, do_rows, ld_dv);
       if (bf16) {
         PackRowsVnni(p.q, rows, cols, q_vnni);
         PackRowsVnni(g.dout, rows, cols, do_vnni);
@@ -883,7 +884,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
       std::fill(lse_sub, lse_sub + cols, 0.0f);
       std::fill(delta, delta + cols, 0.0f);
       float* out_rows = a_panels;  // free until the first tile
-      GatherRows(out, rows, d.value_dim, 1.0f, out_rows, ld_dv);
+      GatherRows(*k.softmax, out, rows, d.value_dim, 1.0f, out_rows, ld_dv);
       for (int64_t r = 0; r < count; ++r) {
         const int64_t t = rows.t(r), n = rows.n(r);
         const float lse = static_cast<const float*>(p.lse)[b * p.lse_strides[0] + n * p.lse_strides[1] + t * p.lse_strides[2]];
