@@ -325,3 +325,29 @@ def test_command_line(user_cache):
     bad = subprocess.run([sys.executable, "-m", "tokamax_torch.autotune", "ragged_dot", "--shape", "1,2"],
                          env=_env(user_cache), capture_output=True, text=True)
     assert bad.returncode != 0 and "--shape must be M,K,N,G" in bad.stderr
+
+
+def test_command_line_tunes_dot_product_attention(user_cache):
+    from tokamax_torch.ops import dot_product_attention as dpa
+
+    out = subprocess.run(
+        [sys.executable, "-m", "tokamax_torch.autotune", "dot_product_attention", "--shape", "1,32,48,4,2,16",
+         "--causal", "--window", "8,0", "--dtype", "bfloat16", "--max-configs", "2", "--reps", "1"],
+        env=_env(user_cache), capture_output=True, text=True, check=True).stdout
+    assert "shape 1,32,48,4,2,16, bfloat16" in out and "written to" in out
+    # The entry is found by a call with the same shapes, dtype and mask arguments.
+    q = torch.empty(1, 32, 4, 16, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 48, 2, 16, dtype=torch.bfloat16, device="meta")
+    fwd, bwd = tokamax_torch.get_configs(dpa.kernel, q, k, k, is_causal=True, local_window_size=(8, 0),
+                                         from_autotuning_cache=True)
+    assert isinstance(fwd, dpa.Config) and isinstance(bwd, dpa.Config)
+    for argv, message in (
+            (["--shape", "1,2,3"], "--shape must be B,T,S,N,K,H or B,T,S,N,K,H,Hv"),
+            (["--shape", "1,4,4,2,2,8", "--window", "a"], "--window must be W or LEFT,RIGHT"),
+            (["--shape", "1,4,4,2,2,8", "--form", "trans_rhs"], "--form does not apply to dot_product_attention")):
+        bad = subprocess.run([sys.executable, "-m", "tokamax_torch.autotune", "dot_product_attention", *argv],
+                             env=_env(user_cache), capture_output=True, text=True)
+        assert bad.returncode != 0 and message in bad.stderr, bad.stderr
+    wrong_op = subprocess.run([sys.executable, "-m", "tokamax_torch.autotune", "ragged_dot", "--shape", "8,8,8,2",
+                               "--causal"], env=_env(user_cache), capture_output=True, text=True)
+    assert wrong_op.returncode != 0 and "--causal does not apply to ragged_dot" in wrong_op.stderr
