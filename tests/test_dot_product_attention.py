@@ -218,6 +218,26 @@ def test_zero_length_sequences(impl):
     assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -math.inf).all())
     (out.sum() + lse.exp().sum()).backward()
     assert torch.equal(q.grad, torch.zeros_like(q))
+    assert k.grad.shape == k.shape and v.grad.shape == v.shape
+    # T = 0 backward: no query, so zero key and value gradients.
+    q, k, v = make_qkv(2, 0, 5, 2, 1, 8, requires_grad=True)
+    impl(q, k, v).sum().backward()
+    assert q.grad.shape == q.shape and torch.equal(k.grad, torch.zeros_like(k)) and torch.equal(v.grad, torch.zeros_like(v))
+    # B = 0.
+    q, k, v = make_qkv(0, 4, 5, 2, 1, 8, requires_grad=True)
+    out = impl(q, k, v, is_causal=True)
+    assert out.shape == (0, 4, 2, 8)
+    out.sum().backward()
+    assert k.grad.shape == k.shape
+    # A query length of 0: that batch's rows see nothing (zeros, zero gradients), the other's as usual.
+    q, k, v = make_qkv(2, 4, 5, 2, 1, 8, requires_grad=True)
+    lengths = torch.tensor([0, 4])
+    out = impl(q, k, v, query_seq_lengths=lengths)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    (out * torch.randn_like(out)).sum().backward()
+    assert torch.equal(q.grad[0], torch.zeros_like(q.grad[0])) and torch.equal(k.grad[0], torch.zeros_like(k.grad[0]))
+    want, _ = oracle(q.detach(), k.detach(), v.detach(), query_seq_lengths=lengths)
+    assert rel_error(out.detach(), want) <= TOLERANCE[torch.float32]
 
 
 def test_fully_masked_rows_are_zero_with_zero_gradients(impl):
@@ -332,7 +352,7 @@ def test_gradients_match_float64_reference(option):
     out, lse = dpa.reference(q, k, v, bias, mask, return_residuals=True, **kwargs)
     dout, dlse = torch.randn_like(out), torch.randn_like(lse).masked_fill(lse == -math.inf, 0)
     want = torch.autograd.grad((out, lse), inputs, (dout, dlse), allow_unused=True)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         low = [x.detach().to(dtype).requires_grad_(True) for x in inputs]
         lb = low[3] if bias is not None else None
         out, lse = dpa.kernel(low[0], low[1], low[2], lb, mask, return_residuals=True, **kwargs)
@@ -340,6 +360,23 @@ def test_gradients_match_float64_reference(option):
         for g, w in zip(got, want):
             assert g.dtype == dtype
             assert rel_error(g, w) <= GRAD_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("h,hv,dtype", [(256, 128, torch.float32), (256, 256, torch.bfloat16), (7, 9, torch.float32),
+                                         (9, 3, torch.float16)])
+def test_gradients_of_large_and_odd_head_dims_match_float64_reference(h, hv, dtype):
+    # Head dims up to 256 (the bf16 engine's whole tiles at 256) and ones no vector width divides.
+    q, k, v = make_qkv(2, 11, 23, 4, 2, h, hv, torch.float64, requires_grad=True)
+    kwargs = {"is_causal": True, "logits_soft_cap": 3.0}
+    out, lse = dpa.reference(q, k, v, return_residuals=True, **kwargs)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    want = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    low = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
+    got_out, got_lse = dpa.kernel(*low, return_residuals=True, **kwargs)
+    assert rel_error(got_out, out) <= TOLERANCE[dtype]
+    got = torch.autograd.grad((got_out, got_lse), low, (dout.to(dtype), dlse.float()))
+    for g, w in zip(got, want):
+        assert g.dtype == dtype and rel_error(g, w) <= GRAD_TOLERANCE[dtype]
 
 
 def test_working_buffers_past_32_mib_match_float64_reference():
@@ -475,6 +512,13 @@ def test_export_dynamic_t(impl):
     exported = torch.export.export(Block(), (q, k, v), dynamic_shapes=({1: t}, {1: t}, {1: t}))
     q2, k2, v2 = make_qkv(1, 50, 50, 4, 2, 8)
     torch.testing.assert_close(exported.module()(q2, k2, v2), impl(q2, k2, v2, is_causal=True))
+    # T and S as separate dimensions: one exported program for prefill (T = S), T < S and decode.
+    s = torch.export.Dim("s", min=2, max=4096)
+    t = torch.export.Dim("t", min=1, max=4096)
+    exported = torch.export.export(Block(), tuple(make_qkv(1, 24, 40, 4, 2, 8)), dynamic_shapes=({1: t}, {1: s}, {1: s}))
+    for t_len, s_len in ((33, 33), (7, 61), (1, 90)):
+        q2, k2, v2 = make_qkv(1, t_len, s_len, 4, 2, 8)
+        torch.testing.assert_close(exported.module()(q2, k2, v2), impl(q2, k2, v2, is_causal=True))
     if impl is dpa.kernel:  # the kernel stays one op in the graph; the reference decomposes
         targets = [n.target for n in exported.graph.nodes if n.op == "call_function"]
         assert torch.ops.tokamax.dot_product_attention.default in targets
@@ -592,6 +636,10 @@ def _bad_inputs():
         ("logits_soft_cap must be a positive finite number, got 0", (q, k, v), {"logits_soft_cap": 0.0}),
         ("logits_soft_cap must be a positive finite number, got -1", (q, k, v), {"logits_soft_cap": -1.0}),
         (r"local_window_size must be non-negative, got \(-1, 2\)", (q, k, v), {"local_window_size": (-1, 2)}),
+        (r"local_window_size must be non-negative, got \(2, -1\)", (q, k, v), {"local_window_size": (2, -1)}),
+        (r"local_window_size must be non-negative, got \(-3, -3\)", (q, k, v), {"local_window_size": -3}),
+        (r"q_segment_ids must have shape \[B, T\] = \[2, 6\]", (q, k, v),
+         {"q_segment_ids": ids_k, "kv_segment_ids": ids_k}),
         ("query_seq_lengths must have B = 2 entries", (q, k, v), {"query_seq_lengths": torch.tensor([1, 2, 3])}),
         ("key_value_seq_lengths must be int32 or int64", (q, k, v), {"key_value_seq_lengths": torch.tensor([1.0, 2.0])}),
     ]
@@ -629,7 +677,7 @@ def test_python_argument_errors():
         dpa.kernel(q, k, v, configs=dpa.Config(8, 64, 1))
 
 
-@pytest.mark.parametrize("message,args,kwargs", _bad_inputs()[:8], ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("message,args,kwargs", _bad_inputs(), ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_inputs_raise_under_compile(impl, message, args, kwargs):
     compiled = torch.compile(lambda *a: impl(*a, **kwargs), fullgraph=True)
     with pytest.raises(Exception, match=message):
