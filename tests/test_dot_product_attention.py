@@ -379,6 +379,21 @@ def test_gradients_of_large_and_odd_head_dims_match_float64_reference(h, hv, dty
         assert g.dtype == dtype and rel_error(g, w) <= GRAD_TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("shape", [(1, 4, 9, 13), (4, 9, 13), (9, 13)])
+def test_bias_shared_by_the_batches_gets_the_batches_summed_gradient(shape):
+    # The kernel sums a shared bias's gradient over the batches as it goes (no [B, N, T, S]
+    # buffer): the same bits as the per-batch gradients of a bias repeated B times, added in
+    # batch order (B = 2: one addition, so torch's sum has that order too), then over the heads
+    # as before.
+    q, k, v = make_qkv(2, 9, 13, 4, 2, 16)
+    bias = torch.randn(shape, requires_grad=True)
+    per_batch = bias.detach().expand(2, 4, 9, 13).clone().requires_grad_(True)
+    dout = torch.randn(2, 9, 4, 16)
+    for b in (bias, per_batch):
+        (dpa.kernel(q, k, v, b, is_causal=True, logits_soft_cap=5.0) * dout).sum().backward()
+    assert torch.equal(bias.grad, per_batch.grad.sum(0, keepdim=True).sum_to_size(shape))
+
+
 def test_working_buffers_past_32_mib_match_float64_reference():
     # S=9000, 8 kv heads of 128: the backward's dK/dV partial sums (~38 MiB each) pass 32 MiB,
     # where LargeBuffer maps them itself (zeroed by the kernel) instead of taking them from malloc.

@@ -440,8 +440,12 @@ BackwardResult DotProductAttentionBackwardCpu(const AttentionArgs& a, const Grad
   g.dv = MutableViewOf(dv);
   Tensor dense_dbias;
   if (grad.bias_requires_grad && a.bias.has_value()) {
-    dense_dbias = at::empty({sig.batch.expect_int(), sig.q_heads.expect_int(), sig.q_len.expect_int(),
-                             sig.kv_len.expect_int()},
+    // A bias shared by the batches gets its gradient summed over them as the kernel goes, so the
+    // dense buffer is [1, N, T, S], not B times that.
+    const bool shared_by_batches = a.bias->dim() < 4 || a.bias->size(0) == 1;
+    g.dbias_sum_batches = shared_by_batches && sig.batch.expect_int() > 1;
+    dense_dbias = at::empty({g.dbias_sum_batches ? 1 : sig.batch.expect_int(), sig.q_heads.expect_int(),
+                             sig.q_len.expect_int(), sig.kv_len.expect_int()},
                             a.query.options().dtype(sig.lse_dtype));
     g.dbias = dense_dbias.data_ptr();
   }

@@ -937,10 +937,11 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
           }
         }
         if (g.dbias != nullptr) {
+          const int64_t dbias_b = g.dbias_sum_batches ? 0 : b;
           for (int64_t r = 0; r < count; ++r) {
-            float* dst =
-                static_cast<float*>(g.dbias) + ((b * d.q_heads + rows.n(r)) * d.q_len + rows.t(r)) * d.kv_len + s0;
-            for (int64_t j = 0; j < keys; ++j) dst[j] = dpt[j * ld_st + r];
+            float* dst = static_cast<float*>(g.dbias) +
+                         ((dbias_b * d.q_heads + rows.n(r)) * d.q_len + rows.t(r)) * d.kv_len + s0;
+            for (int64_t j = 0; j < keys; ++j) dst[j] += dpt[j * ld_st + r];
           }
         }
         // dK_tile += dS · (scale·Q); dQ += dS · K_tile (scaled when stored).
@@ -1086,7 +1087,7 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
   LargeBuffer<float> dv_acc(splits * heads * acc_rows * ld_dv, LargeBuffer<float>::kUninitialized);
   if (g.dbias != nullptr) {
     float* dbias = static_cast<float*>(g.dbias);
-    std::fill(dbias, dbias + d.batch * d.q_heads * d.q_len * d.kv_len, 0.0f);
+    std::fill(dbias, dbias + (g.dbias_sum_batches ? 1 : d.batch) * d.q_heads * d.q_len * d.kv_len, 0.0f);
   }
   // Several query blocks read each kv tile: pack K, V and K's rows once.
   const bool use_bf16 = UseBf16ProductsBackward(g, k) && d.kv_len > 0;
@@ -1100,21 +1101,28 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
   const KvTiles k_tiles(*k.gemm, p.k, config.block_kv, /*as_a=*/true, pack_all);
   const KvTiles v_tiles(*k.gemm, p.v, config.block_kv, /*as_a=*/true, pack_all);
   const KvTiles k_row_tiles(*k.gemm, p.k, config.block_kv, /*as_a=*/false, pack_all);
-  const int64_t num_tasks = heads * splits;
-  std::atomic<int64_t> next{0};
-  ParallelFor(0, num_tasks, 1, [&](int64_t, int64_t) {
-    thread_local BackwardScratch scratch;
-    for (int64_t task = next.fetch_add(1); task < num_tasks; task = next.fetch_add(1)) {
-      const int64_t split = task % splits, head = task / splits;
-      const int64_t qb_begin = q_blocks * split / splits, qb_end = q_blocks * (split + 1) / splits;
-      float* dk = dk_acc.data() + (split * heads + head) * acc_rows * ld_dk;
-      float* dv = dv_acc.data() + (split * heads + head) * acc_rows * ld_dv;
-      std::fill(dk, dk + acc_rows * ld_dk, 0.0f);
-      std::fill(dv, dv + acc_rows * ld_dv, 0.0f);
-      BackwardTask(g, d, k, config, head / d.kv_heads, head % d.kv_heads, qb_begin, qb_end, dk, ld_dk, dv, ld_dv,
-                   k_tiles, v_tiles, k_row_tiles, bf16_ops.get(), scratch);
-    }
-  });
+  // Tasks (split, batch, kv head) in one pool; when dbias sums the batches, one pool per batch,
+  // in batch order (each element of dbias then has one writer at a time, and its sum a fixed
+  // order).
+  const int64_t pools = g.dbias != nullptr && g.dbias_sum_batches ? d.batch : 1;
+  const int64_t heads_per_pool = heads / std::max<int64_t>(pools, 1);
+  for (int64_t pool = 0; pool < pools; ++pool) {
+    const int64_t num_tasks = heads_per_pool * splits;
+    std::atomic<int64_t> next{0};
+    ParallelFor(0, num_tasks, 1, [&](int64_t, int64_t) {
+      thread_local BackwardScratch scratch;
+      for (int64_t task = next.fetch_add(1); task < num_tasks; task = next.fetch_add(1)) {
+        const int64_t split = task % splits, head = pool * heads_per_pool + task / splits;
+        const int64_t qb_begin = q_blocks * split / splits, qb_end = q_blocks * (split + 1) / splits;
+        float* dk = dk_acc.data() + (split * heads + head) * acc_rows * ld_dk;
+        float* dv = dv_acc.data() + (split * heads + head) * acc_rows * ld_dv;
+        std::fill(dk, dk + acc_rows * ld_dk, 0.0f);
+        std::fill(dv, dv + acc_rows * ld_dv, 0.0f);
+        BackwardTask(g, d, k, config, head / d.kv_heads, head % d.kv_heads, qb_begin, qb_end, dk, ld_dk, dv, ld_dv,
+                     k_tiles, v_tiles, k_row_tiles, bf16_ops.get(), scratch);
+      }
+    });
+  }
   // dk, dv = the splits' partial sums, added in split order.
   ParallelFor(0, heads * d.kv_len, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> total(std::max(ld_dk, ld_dv));

@@ -71,6 +71,9 @@ struct DotProductAttentionGradParams {
   MutableTensor4View dk;              // [B,S,K,H]
   MutableTensor4View dv;              // [B,S,K,Hv]
   void* dbias = nullptr;              // dense [B,N,T,S] (contiguous), float like lse; null: not wanted
+  // dbias is [N,T,S] instead, the batches' gradients summed in batch order (a bias broadcast over
+  // the batch): the batches then run one after the other, so no two tasks add to one element.
+  bool dbias_sum_batches = false;
 };
 
 // The problem as heuristics and cache keys see it.

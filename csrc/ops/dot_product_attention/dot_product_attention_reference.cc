@@ -130,11 +130,15 @@ void DotProductAttentionBackwardReference(const DotProductAttentionGradParams& g
           double ds = any ? probs[s] * (dlogits[s] - weighted + dlse) : 0.0;
           if (p.logits_soft_cap > 0.0f) ds *= 1.0 - tanh_values[s] * tanh_values[s];
           if (g.dbias != nullptr) {
-            const int64_t offset = ((b * d.q_heads + n) * d.q_len + t) * d.kv_len + s;
+            // Summing the batches, batch 0 writes every element and the later ones add to it.
+            const bool add = g.dbias_sum_batches && b > 0;
+            const int64_t offset = (((g.dbias_sum_batches ? 0 : b) * d.q_heads + n) * d.q_len + t) * d.kv_len + s;
             if (p.q.dtype == DType::kFloat64) {
-              static_cast<double*>(g.dbias)[offset] = ds;
+              double& dst = static_cast<double*>(g.dbias)[offset];
+              dst = add ? dst + ds : ds;
             } else {
-              static_cast<float*>(g.dbias)[offset] = static_cast<float>(ds);
+              float& dst = static_cast<float*>(g.dbias)[offset];
+              dst = add ? dst + static_cast<float>(ds) : static_cast<float>(ds);
             }
           }
           if (ds == 0.0) continue;

@@ -203,6 +203,19 @@ void Check(const Problem& pb, DType dtype, const DotProductAttentionConfig& conf
   if (pb.bias) {
     EXPECT_LE(LseError(dbias, want_dbias), tol) << "dbias";
   }
+  if (pb.bias && pb.batch > 1) {
+    // A bias shared by the batches: the same gradients, summed over the batches in batch order.
+    const int64_t shared_count = bias_count / pb.batch;
+    std::vector<float> shared(shared_count, std::nanf("")), want_shared(shared_count, 0.0f);
+    for (int64_t b = 0; b < pb.batch; ++b) {
+      for (int64_t i = 0; i < shared_count; ++i) want_shared[i] += dbias[b * shared_count + i];
+    }
+    DotProductAttentionGradParams g = grad_params(p, dq, dk, dv, shared.data());
+    g.dbias_sum_batches = true;
+    const Status shared_status = DotProductAttentionBackward(g, config);
+    ASSERT_TRUE(shared_status.ok()) << shared_status.message();
+    EXPECT_EQ(shared, want_shared) << "dbias summed over the batches";
+  }
 }
 
 DotProductAttentionConfig Config(int64_t block_q, int64_t block_kv, int64_t splits) {
