@@ -135,6 +135,15 @@ def test_matches_float64_oracle(impl, option, dtype):
     assert_matches_oracle(impl, (q, k, v, bias, mask), kwargs, dtype)
 
 
+_PAIRABLE = ["causal", "window", "lengths", "segments", "softcap", "scale", "bias", "mask"]
+
+
+@pytest.mark.parametrize("first,second", [(a, b) for i, a in enumerate(_PAIRABLE) for b in _PAIRABLE[i + 1:]])
+def test_every_pair_of_options_matches_float64_oracle(impl, first, second):
+    bias, mask, kwargs = _split({**OPTIONS[first], **OPTIONS[second]})
+    assert_matches_oracle(impl, (*make_qkv(2, 19, 29, 6, 2, 16), bias, mask), kwargs, torch.float32)
+
+
 @pytest.mark.parametrize("b,t,s,n,k,h,hv", [
     (1, 1, 300, 8, 2, 64, 64),    # decode: one query, split kv
     (2, 70, 20, 4, 4, 8, 3),      # T > S
@@ -191,6 +200,22 @@ def test_matches_sdpa(impl):
     want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                           enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    # T != S both ways, causal (SDPA's is_causal is top-left aligned too), an explicit scale and a
+    # float mask as bias; forward and the three gradients.
+    for t, s in ((17, 40), (40, 17)):
+        q, k, v = make_qkv(2, t, s, 8, 2, 32, requires_grad=True)
+        bias = torch.randn(1, 8, t, s)
+        got = impl(q, k, v, bias, is_causal=True, scale=0.3)
+        sdpa_inputs = [x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v)]
+        visible = torch.ones(t, s, dtype=torch.bool).tril()
+        want = F.scaled_dot_product_attention(*sdpa_inputs, attn_mask=bias.masked_fill(~visible, -math.inf),
+                                              scale=0.3, enable_gqa=True)
+        torch.testing.assert_close(got, want.transpose(1, 2), rtol=2e-5, atol=2e-5)
+        dout = torch.randn_like(got)
+        got.backward(dout)
+        want.backward(dout.transpose(1, 2))
+        for x, y in zip((q, k, v), sdpa_inputs):
+            torch.testing.assert_close(x.grad, y.grad.transpose(1, 2), rtol=1e-4, atol=1e-4)
 
 
 def test_every_isa_tier(impl, monkeypatch):
@@ -267,6 +292,14 @@ def test_non_contiguous_inputs(impl):
     kw = dict(bias=bias, is_causal=True, q_segment_ids=ids, kv_segment_ids=torch.zeros(2, 27, dtype=torch.int32))
     out, lse = assert_matches_oracle(impl, (q, k, v), kw, torch.float32)
     torch.testing.assert_close(out, impl(q.contiguous(), k.contiguous(), v.contiguous(), **kw), rtol=0, atol=0)
+    # The gradients too: read through the strides, the same bits as from contiguous copies.
+    grads = []
+    for make in (lambda x: x, lambda x: x.contiguous()):
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        (impl(*[make(x) for x in leaves], **kw) * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        grads.append([x.grad for x in leaves])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_bitwise_deterministic_across_runs_and_threads(impl):
@@ -555,6 +588,19 @@ def test_get_configs():
     assert all(isinstance(c, dpa.Config) for c in big)
     decode = tokamax_torch.get_configs(dpa.kernel, *make_qkv(1, 1, 4096, 4, 1, 64))
     assert decode[0].num_splits > 1  # one query row still uses several threads
+
+
+def test_config_query_ops_say_they_need_concrete_shapes():
+    # The heuristic and the search space are host-side queries for concrete sizes (get_configs,
+    # config_space); traced with symbolic sizes they raise a clear error.
+    q, k, v = make_qkv(1, 8, 8, 4, 2, 16)
+    for op in (torch.ops.tokamax._dot_product_attention_heuristic_config,
+               torch.ops.tokamax._dot_product_attention_config_space):
+        assert len(op(q, k, v, False, 0)) % len(dataclasses.fields(dpa.Config)) == 0
+        compiled = torch.compile(lambda a, b, c, op=op: torch.tensor(op(a, b, c, False, 0)), dynamic=True,
+                                 fullgraph=True)
+        with pytest.raises(Exception, match="configs are chosen for concrete shapes"):
+            compiled(q, k, v)
 
 
 def test_no_config_is_the_heuristic_config(impl):

@@ -631,6 +631,15 @@ DotProductAttentionShape ConfigShape(const Tensor& query, const Tensor& key, con
   args.key = key;
   args.value = value;
   const AttentionSignature sig = CheckAttentionArgs(args);
+  // A config is chosen for concrete sizes (the heuristic, the search space and the cache key all
+  // read them): traced with symbolic ones, say so instead of failing in SymInt::expect_int.
+  for (const Tensor* x : {&query, &key, &value}) {
+    for (const c10::SymInt& size : x->sym_sizes()) {
+      TORCH_CHECK(size.maybe_as_int().has_value(), kOp,
+                  ": configs are chosen for concrete shapes; call get_configs / config_space outside "
+                  "torch.compile and torch.export (the op itself picks its config inside them)");
+    }
+  }
   DotProductAttentionShape shape = ShapeOf(sig);
   shape.block_sparse = block_sparse;
   return shape;
