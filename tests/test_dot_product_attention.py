@@ -188,6 +188,28 @@ def test_bf16_decode_row_products_match_float64(impl, option, t, hv):
             assert torch.equal(out, again) and torch.equal(lse, lse_again)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("option", ["plain", "lengths", "all"])
+def test_decode_from_a_head_major_cache(impl, dtype, option):
+    # The usual KV-cache layout, [B, K, S, H] storage passed as a transposed view: the row path
+    # walks each head's keys in turn (its memory order) and gives the same bits as [B, S, K, H].
+    bias, mask, kwargs = _split(OPTIONS[option])
+    s = 300  # past one kv tile, with a partial last run
+    q = torch.randn(2, 1, 6, 64).to(dtype)
+    k, v = (torch.randn(2, 2, s, 64).to(dtype) for _ in range(2))
+    kwargs = {key: value for key, value in kwargs.items() if key not in ("q_segment_ids", "kv_segment_ids")}
+    if "query_seq_lengths" in kwargs:
+        kwargs.update(query_seq_lengths=torch.tensor([1, 1]), key_value_seq_lengths=torch.tensor([0, 293]))
+    bias = None if bias is None else torch.randn(6, 1, s)
+    mask = None if mask is None else torch.rand(1, s) > 0.2
+    kwargs.pop("is_causal", None)  # T = 1 sees key 0 only under top-left causal
+    strided = impl(q, k.transpose(1, 2), v.transpose(1, 2), bias, mask, **kwargs)
+    contiguous = impl(q, k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), bias, mask, **kwargs)
+    assert torch.equal(strided, contiguous)
+    want, _ = oracle(q, k.transpose(1, 2), v.transpose(1, 2), bias, mask, **kwargs)
+    assert rel_error(strided, want) <= TOLERANCE[dtype]
+
+
 def test_matches_sdpa(impl):
     q, k, v = make_qkv(2, 33, 33, 8, 2, 32)
     got = impl(q, k, v, is_causal=True)

@@ -594,29 +594,50 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
   ForEachVisibleTile(p.masks, s.row_masks, rows.b, count, kv_begin, kv_end, block,
                      [&](int64_t s0, TileVisibility visibility, int64_t keys) {
     // run(h, first row of (kv head h, position), j0, keys of the run, next) over x's runs, in
-    // memory order. `next` is the head's rows of the run read after this one: x's next run, or
-    // after the last one the first run of `then` from key then_s0 (V's after K's; after V's, the
-    // next tile's K). The products prefetch them as they go, one request beside each vector
-    // they load, when they have the run's shape; otherwise they are prefetched here at once.
+    // memory order: every head of a run before the next run when one key's heads are adjacent
+    // ([B, S, K, H]), every run of a head before the next head when a head's keys are
+    // ([B, K, S, H] storage passed as a transposed view, the usual KV-cache layout). `next` is
+    // the rows read after these: the head's next run; after its last, the next head's first
+    // (heads outer), else `then`'s first run from key then_s0 (V's after K's; after V's, the next
+    // tile's K). The products prefetch them as they go, one request beside each vector they
+    // load, when they have the run's shape; otherwise they are prefetched here at once.
     auto for_runs = [&](const Tensor4View& x, const Tensor4View& then, int64_t then_s0, int64_t then_end,
                         auto&& run) {
-      for (int64_t j0 = 0; j0 < keys; j0 += kRowRunKeys) {
+      const bool heads_outer = x.strides[2] > x.strides[1];
+      const int64_t runs = CeilDiv(keys, kRowRunKeys);
+      auto visit = [&](int64_t h, int64_t run_index) {
+        const int64_t j0 = run_index * kRowRunKeys;
         const int64_t n = std::min(kRowRunKeys, keys - j0);
-        const bool last = j0 + kRowRunKeys >= keys;
-        const Tensor4View& nx = last ? then : x;
-        const int64_t next = last ? then_s0 : s0 + j0 + kRowRunKeys;
-        const int64_t next_end = std::min(next + kRowRunKeys, last ? then_end : s0 + keys);
-        const bool spread = next_end - next == n && nx.dtype == x.dtype && nx.strides[1] == x.strides[1] &&
-                            nx.sizes[3] == x.sizes[3];
-        for (int64_t h = 0; h < d.kv_heads; ++h) {
-          const void* next_rows = nullptr;
-          if (spread) {
-            next_rows = ElementAddress(nx, rows.b, next, h, 0);
-          } else if (next < next_end) {
-            PrefetchRowsToL2(nx, rows.b, next, next_end, h);
+        const Tensor4View* nx = &x;
+        int64_t next_h = h, next = s0 + j0 + kRowRunKeys, next_end = s0 + keys;
+        if (run_index + 1 == runs) {
+          if (heads_outer && h + 1 < d.kv_heads) {
+            next_h = h + 1;
+            next = s0;
+          } else {
+            nx = &then;
+            next_h = heads_outer ? 0 : h;
+            next = then_s0;
+            next_end = then_end;
           }
-          for (int64_t pos = 0; pos < rows.positions; ++pos) {
-            run(h, pos * d.q_heads + h * d.group, j0, n, next_rows);
+        }
+        next_end = std::min(next + kRowRunKeys, next_end);
+        const bool spread = next_end - next == n && nx->dtype == x.dtype && nx->strides[1] == x.strides[1] &&
+                            nx->sizes[3] == x.sizes[3];
+        const void* next_rows = nullptr;
+        if (spread) {
+          next_rows = ElementAddress(*nx, rows.b, next, next_h, 0);
+        } else if (next < next_end) {
+          PrefetchRowsToL2(*nx, rows.b, next, next_end, next_h);
+        }
+        for (int64_t pos = 0; pos < rows.positions; ++pos) run(h, pos * d.q_heads + h * d.group, j0, n, next_rows);
+      };
+      for (int64_t outer = 0; outer < (heads_outer ? d.kv_heads : runs); ++outer) {
+        for (int64_t inner = 0; inner < (heads_outer ? runs : d.kv_heads); ++inner) {
+          if (heads_outer) {
+            visit(outer, inner);
+          } else {
+            visit(inner, outer);
           }
         }
       }
