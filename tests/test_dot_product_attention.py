@@ -449,6 +449,26 @@ def test_bias_shared_by_the_batches_gets_the_batches_summed_gradient(shape):
     assert torch.equal(bias.grad, per_batch.grad.sum(0, keepdim=True).sum_to_size(shape))
 
 
+def test_shared_bias_gradient_is_the_same_bits_summed_in_the_kernel_or_after_it():
+    # One batch of this problem has 2 tasks (2 kv heads, one query block): with 2 threads the
+    # kernel sums the batches as it goes; with more threads than that it writes every batch and
+    # the adapter adds them afterwards, in the same order. The bits must not depend on which.
+    q, k, v = make_qkv(3, 9, 13, 4, 2, 16)
+    bias = torch.randn(4, 9, 13)
+    dout = torch.randn(3, 9, 4, 16)
+    threads = torch.get_num_threads()
+    grads = []
+    try:
+        for n in (2, 8):
+            torch.set_num_threads(n)
+            b = bias.clone().requires_grad_(True)
+            (dpa.kernel(q, k, v, b, is_causal=True) * dout).sum().backward()
+            grads.append(b.grad)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_working_buffers_past_32_mib_match_float64_reference():
     # S=9000, 8 kv heads of 128: the backward's dK/dV partial sums (~38 MiB each) pass 32 MiB,
     # where LargeBuffer maps them itself (zeroed by the kernel) instead of taking them from malloc.

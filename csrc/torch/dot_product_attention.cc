@@ -5,6 +5,7 @@
 // The reference is CompositeImplicitAutograd: plain ATen ops whose own autograd and meta
 // decompositions give an independent oracle for the kernel's hand-written backward.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -439,19 +440,32 @@ BackwardResult DotProductAttentionBackwardCpu(const AttentionArgs& a, const Grad
   g.dk = MutableViewOf(dk);
   g.dv = MutableViewOf(dv);
   Tensor dense_dbias;
+  // A bias shared by the batches has its gradient summed over them in batch order, one fp32
+  // addition per batch from zero, whichever of two ways computes it: the kernel adds each batch
+  // into a [1, N, T, S] buffer as it goes (no B-times buffer; the batches then run one after the
+  // other), or, when one batch has fewer tasks than there are threads, the kernel writes
+  // [B, N, T, S] and the batches are added here in the same order. Same bits either way.
+  const int64_t batch = sig.batch.expect_int();
+  const bool shared_by_batches = a.bias.has_value() && (a.bias->dim() < 4 || a.bias->size(0) == 1) && batch > 1;
   if (grad.bias_requires_grad && a.bias.has_value()) {
-    // A bias shared by the batches gets its gradient summed over them as the kernel goes, so the
-    // dense buffer is [1, N, T, S], not B times that.
-    const bool shared_by_batches = a.bias->dim() < 4 || a.bias->size(0) == 1;
-    g.dbias_sum_batches = shared_by_batches && sig.batch.expect_int() > 1;
-    dense_dbias = at::empty({g.dbias_sum_batches ? 1 : sig.batch.expect_int(), sig.q_heads.expect_int(),
-                             sig.q_len.expect_int(), sig.kv_len.expect_int()},
+    g.dbias_sum_batches = shared_by_batches && DotProductAttentionBackwardTasksPerBatch(
+                                                   sig.q_len.expect_int(), sig.kv_heads.expect_int(), resolved) >=
+                                                   at::get_num_threads();
+    dense_dbias = at::empty({g.dbias_sum_batches ? 1 : batch, sig.q_heads.expect_int(), sig.q_len.expect_int(),
+                             sig.kv_len.expect_int()},
                             a.query.options().dtype(sig.lse_dtype));
     g.dbias = dense_dbias.data_ptr();
   }
   const Status status = DotProductAttentionBackward(g, resolved);
   TORCH_CHECK(status.ok(), status.message());
-  if (dense_dbias.defined()) dbias.copy_(dense_dbias.sum_to_size(a.bias->sizes()));
+  if (dense_dbias.defined()) {
+    if (shared_by_batches && !g.dbias_sum_batches) {
+      Tensor summed = at::zeros_like(dense_dbias[0]);
+      for (int64_t b = 0; b < batch; ++b) summed.add_(dense_dbias[b]);
+      dense_dbias = summed.unsqueeze(0);
+    }
+    dbias.copy_(dense_dbias.sum_to_size(a.bias->sizes()));
+  }
   return {dq, dk, dv, dbias};
 }
 

@@ -1076,6 +1076,17 @@ Status DotProductAttention(const DotProductAttentionParams& p, const DotProductA
   return Status::Ok();
 }
 
+// The backward splits each (batch, kv head)'s query blocks into this many tasks.
+int64_t BackwardSplits(int64_t q_len, const DotProductAttentionConfig& config) {
+  const int64_t q_blocks = q_len > 0 ? CeilDiv(q_len, config.block_q) : 0;
+  return std::max<int64_t>(1, std::min(config.num_splits, q_blocks));
+}
+
+int64_t DotProductAttentionBackwardTasksPerBatch(int64_t q_len, int64_t kv_heads,
+                                                 const DotProductAttentionConfig& config) {
+  return kv_heads * BackwardSplits(q_len, config);
+}
+
 Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const DotProductAttentionConfig& config) {
   Status status = config.Validate();
   if (!status.ok()) return status;
@@ -1093,7 +1104,7 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
   }
   const int64_t mr = k.gemm->mr, nr = k.gemm->nr;
   const int64_t q_blocks = d.q_len > 0 ? CeilDiv(d.q_len, config.block_q) : 0;
-  const int64_t splits = std::max<int64_t>(1, std::min(config.num_splits, q_blocks));
+  const int64_t splits = BackwardSplits(d.q_len, config);
   const int64_t ld_dk = RoundUp(d.head_dim, nr), ld_dv = RoundUp(d.value_dim, nr);
   // Per (split, batch, kv head): fp32 dk/dv partial sums over [S + 16) rows (tiles write whole
   // mr-row panels or 16-row bf16 tiles; the padding rows only ever receive zeros).

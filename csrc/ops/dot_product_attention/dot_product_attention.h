@@ -115,6 +115,10 @@ Status CheckAttentionLengths(const int64_t* lengths, int64_t batch, int64_t max,
 Status DotProductAttention(const DotProductAttentionParams& params, const DotProductAttentionConfig& config);
 Status DotProductAttentionBackward(const DotProductAttentionGradParams& params,
                                    const DotProductAttentionConfig& config);
+// How many tasks the backward runs per batch (kv heads times query splits): with
+// dbias_sum_batches, the most that run at once.
+int64_t DotProductAttentionBackwardTasksPerBatch(int64_t q_len, int64_t kv_heads,
+                                                 const DotProductAttentionConfig& config);
 
 // Plain float64 loops over the same params (any dtype in and out): the oracle of the C++ tests
 // and the float64 path of the kernels.
