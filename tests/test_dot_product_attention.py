@@ -380,6 +380,24 @@ def test_buffer_cache_limit_from_environment():
 
 # ---- gradients ----------------------------------------------------------------------------------
 
+def assert_gradients_match_float64_reference(q, k, v, bias, mask, kwargs, dtypes):
+    """The kernel's output and gradients at each of `dtypes` against the reference's in float64:
+    q, k, v (and bias, if any) are float64 leaves; the kernel sees their rounding, so the
+    comparison is at that dtype's tolerances."""
+    inputs = [q, k, v] + ([bias] if bias is not None else [])
+    out, lse = dpa.reference(q, k, v, bias, mask, return_residuals=True, **kwargs)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse).masked_fill(lse == -math.inf, 0)
+    want = torch.autograd.grad((out, lse), inputs, (dout, dlse), allow_unused=True)
+    for dtype in dtypes:
+        low = [x.detach().to(dtype).requires_grad_(True) for x in inputs]
+        got_out, got_lse = dpa.kernel(low[0], low[1], low[2], low[3] if bias is not None else None, mask,
+                                      return_residuals=True, **kwargs)
+        assert rel_error(got_out, out) <= TOLERANCE[dtype]
+        got = torch.autograd.grad((got_out, got_lse), low, (dout.to(dtype), dlse.float()))
+        for g, w in zip(got, want):
+            assert g.dtype == dtype and rel_error(g, w) <= GRAD_TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("option", ["causal", "softcap", "bias", "all"])
 def test_bf16_tile_head_dims_match_float64_reference(option):
     # H % 32 == 0 and Hv % 32 == 0: on the avx512bf16 and amx tiers both passes run on the bf16
@@ -387,18 +405,7 @@ def test_bf16_tile_head_dims_match_float64_reference(option):
     bias, mask, kwargs = _split(OPTIONS[option])
     q, k, v = make_qkv(2, 19, 29, 6, 2, 64, 32, torch.float64, requires_grad=True)  # OPTIONS: T=19, S=29
     bias = None if bias is None else bias.double().requires_grad_(True)
-    inputs = [q, k, v] + ([bias] if bias is not None else [])
-    out, lse = dpa.reference(q, k, v, bias, mask, return_residuals=True, **kwargs)
-    dout, dlse = torch.randn_like(out), torch.randn_like(lse).masked_fill(lse == -math.inf, 0)
-    want = torch.autograd.grad((out, lse), inputs, (dout, dlse), allow_unused=True)
-    low = [x.detach().to(torch.bfloat16).requires_grad_(True) for x in inputs]
-    got_out, got_lse = dpa.kernel(low[0], low[1], low[2], low[3] if bias is not None else None, mask,
-                                  return_residuals=True, **kwargs)
-    # The oracle saw the fp64 values; the kernel their bf16 rounding: compare at bf16 tolerances.
-    assert rel_error(got_out, out) <= TOLERANCE[torch.bfloat16]
-    got = torch.autograd.grad((got_out, got_lse), low, (dout.to(torch.bfloat16), dlse.float()))
-    for g, w in zip(got, want):
-        assert g.dtype == torch.bfloat16 and rel_error(g, w) <= GRAD_TOLERANCE[torch.bfloat16]
+    assert_gradients_match_float64_reference(q, k, v, bias, mask, kwargs, [torch.bfloat16])
 
 
 @pytest.mark.parametrize("option", ["plain", "causal", "window", "lengths", "segments", "softcap", "bias", "all"])
@@ -406,18 +413,8 @@ def test_gradients_match_float64_reference(option):
     bias, mask, kwargs = _split(OPTIONS[option])
     q, k, v = make_qkv(2, 19, 29, 6, 2, 16, 24, torch.float64, requires_grad=True)
     bias = None if bias is None else bias.double().requires_grad_(True)
-    inputs = [q, k, v] + ([bias] if bias is not None else [])
-    out, lse = dpa.reference(q, k, v, bias, mask, return_residuals=True, **kwargs)
-    dout, dlse = torch.randn_like(out), torch.randn_like(lse).masked_fill(lse == -math.inf, 0)
-    want = torch.autograd.grad((out, lse), inputs, (dout, dlse), allow_unused=True)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        low = [x.detach().to(dtype).requires_grad_(True) for x in inputs]
-        lb = low[3] if bias is not None else None
-        out, lse = dpa.kernel(low[0], low[1], low[2], lb, mask, return_residuals=True, **kwargs)
-        got = torch.autograd.grad((out, lse), low, (dout.to(dtype), dlse.float()))
-        for g, w in zip(got, want):
-            assert g.dtype == dtype
-            assert rel_error(g, w) <= GRAD_TOLERANCE[dtype]
+    assert_gradients_match_float64_reference(q, k, v, bias, mask, kwargs,
+                                             [torch.float32, torch.bfloat16, torch.float16])
 
 
 @pytest.mark.parametrize("h,hv,dtype", [(256, 128, torch.float32), (256, 256, torch.bfloat16), (7, 9, torch.float32),
@@ -425,16 +422,8 @@ def test_gradients_match_float64_reference(option):
 def test_gradients_of_large_and_odd_head_dims_match_float64_reference(h, hv, dtype):
     # Head dims up to 256 (the bf16 engine's whole tiles at 256) and ones no vector width divides.
     q, k, v = make_qkv(2, 11, 23, 4, 2, h, hv, torch.float64, requires_grad=True)
-    kwargs = {"is_causal": True, "logits_soft_cap": 3.0}
-    out, lse = dpa.reference(q, k, v, return_residuals=True, **kwargs)
-    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-    want = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
-    low = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
-    got_out, got_lse = dpa.kernel(*low, return_residuals=True, **kwargs)
-    assert rel_error(got_out, out) <= TOLERANCE[dtype]
-    got = torch.autograd.grad((got_out, got_lse), low, (dout.to(dtype), dlse.float()))
-    for g, w in zip(got, want):
-        assert g.dtype == dtype and rel_error(g, w) <= GRAD_TOLERANCE[dtype]
+    assert_gradients_match_float64_reference(q, k, v, None, None, {"is_causal": True, "logits_soft_cap": 3.0},
+                                             [dtype])
 
 
 @pytest.mark.parametrize("shape", [(1, 4, 9, 13), (4, 9, 13), (9, 13)])

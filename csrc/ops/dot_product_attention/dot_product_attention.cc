@@ -632,13 +632,13 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
         }
         for (int64_t pos = 0; pos < rows.positions; ++pos) run(h, pos * d.q_heads + h * d.group, j0, n, next_rows);
       };
-      for (int64_t outer = 0; outer < (heads_outer ? d.kv_heads : runs); ++outer) {
-        for (int64_t inner = 0; inner < (heads_outer ? runs : d.kv_heads); ++inner) {
-          if (heads_outer) {
-            visit(outer, inner);
-          } else {
-            visit(inner, outer);
-          }
+      if (heads_outer) {
+        for (int64_t h = 0; h < d.kv_heads; ++h) {
+          for (int64_t run_index = 0; run_index < runs; ++run_index) visit(h, run_index);
+        }
+      } else {
+        for (int64_t run_index = 0; run_index < runs; ++run_index) {
+          for (int64_t h = 0; h < d.kv_heads; ++h) visit(h, run_index);
         }
       }
     };
