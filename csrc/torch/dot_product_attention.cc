@@ -19,6 +19,7 @@
 #include "csrc/core/cpu_info.h"
 #include "csrc/ops/dot_product_attention/dot_product_attention.h"
 #include "csrc/torch/adapter_utils.h"
+#include "csrc/torch/op_kit.h"
 
 namespace tokamax {
 namespace {
@@ -110,13 +111,6 @@ struct AttentionSignature {
   AttentionConfigs configs;
 };
 
-DotProductAttentionConfig ParseConfig(const std::vector<int64_t>& values, const char* name) {
-  DotProductAttentionConfig parsed;
-  const Status status = DotProductAttentionConfig::FromVector(values, &parsed);
-  TORCH_CHECK(status.ok(), kOp, ": ", name, ": ", status.message());
-  return parsed;
-}
-
 // `name` must broadcast to [B, N, T, S] (right-aligned, each size 1 or equal).
 void CheckBroadcastable(const Tensor& t, const char* name, const std::vector<c10::SymInt>& target) {
   TORCH_CHECK(t.dim() <= 4, kOp, ": ", name, " must be broadcastable to [B, N, T, S] = ", target,
@@ -157,8 +151,8 @@ void CheckSegmentIds(const Tensor& ids, const char* name, const c10::SymInt& bat
 AttentionSignature CheckAttentionArgs(const AttentionArgs& a) {
   const Tensor &query = a.query, &key = a.key, &value = a.value;
   AttentionSignature sig;
-  if (a.config.has_value()) sig.configs.forward = ParseConfig(*a.config, "config");
-  if (a.bwd_config.has_value()) sig.configs.backward = ParseConfig(*a.bwd_config, "bwd_config");
+  sig.configs.forward = ParseOptionalConfig<DotProductAttentionConfig>(Ref(a.config), "config");
+  sig.configs.backward = ParseOptionalConfig<DotProductAttentionConfig>(Ref(a.bwd_config), "bwd_config");
 
   TORCH_CHECK(query.dim() == 4, kOp, ": query must be 4-D [B, T, N, H], got shape ", ShapeString(query));
   TORCH_CHECK(key.dim() == 4, kOp, ": key must be 4-D [B, S, K, H], got shape ", ShapeString(key));
@@ -261,9 +255,10 @@ DotProductAttentionShape ShapeOf(const AttentionSignature& sig) {
 }
 
 DotProductAttentionConfig ResolveConfig(const std::optional<DotProductAttentionConfig>& config,
-                                        const AttentionSignature& sig, at::ScalarType dtype, int product) {
-  if (config.has_value()) return *config;
-  return DotProductAttentionHeuristicConfig(ShapeOf(sig), ToCoreDType(dtype, kOp), GetCpuInfo(), product);
+                                        const AttentionSignature& sig, at::ScalarType dtype,
+                                        DotProductAttentionProduct product) {
+  return ConfigOrHeuristic<&DotProductAttentionHeuristicConfig>(config, ShapeOf(sig), ToCoreDType(dtype, kOp),
+                                                                product);
 }
 
 Tensor4View ViewOf(const Tensor& t) {
@@ -358,7 +353,8 @@ void CheckCpu(const Tensor& query) {
 std::tuple<Tensor, Tensor> DotProductAttentionCpu(const AttentionArgs& a) {
   const AttentionSignature sig = CheckAttentionArgs(a);
   CheckCpu(a.query);
-  const DotProductAttentionConfig resolved = ResolveConfig(sig.configs.forward, sig, a.query.scalar_type(), 0);
+  const DotProductAttentionConfig resolved = ResolveConfig(sig.configs.forward, sig, a.query.scalar_type(),
+                                                           DotProductAttentionProduct::kForward);
   KernelInputs in;
   FillKernelInputs(a, sig, &in);
   Tensor out = at::empty_symint(OutShape(sig), a.query.options());
@@ -420,7 +416,8 @@ BackwardResult DotProductAttentionBackwardCpu(const AttentionArgs& a, const Grad
   const AttentionSignature sig = CheckAttentionArgs(a);
   CheckBackwardArgs(grad, a.query, sig);
   CheckCpu(a.query);
-  const DotProductAttentionConfig resolved = ResolveConfig(sig.configs.backward, sig, a.query.scalar_type(), 1);
+  const DotProductAttentionConfig resolved = ResolveConfig(sig.configs.backward, sig, a.query.scalar_type(),
+                                                           DotProductAttentionProduct::kBackward);
   KernelInputs in;
   FillKernelInputs(a, sig, &in);
   auto [dq, dk, dv, dbias] = EmptyGradients(a, grad.bias_requires_grad, sig);
@@ -635,59 +632,19 @@ std::tuple<Tensor, Tensor> DotProductAttentionAutograd(const AttentionArgs& a) {
   return {outputs[0], outputs[1]};
 }
 
-// ---- configs for Python: heuristics, the search space, field names -----------------------------
+// ---- configs for Python: the helper ops' problem (op_kit.h) -------------------------------------
 
-DotProductAttentionShape ConfigShape(const Tensor& query, const Tensor& key, const Tensor& value, bool block_sparse,
-                                     int64_t product) {
-  TORCH_CHECK(product == 0 || product == 1, kOp, ": product must be 0 (forward) or 1 (backward), got ", product);
+// The call whose configs get_configs / config_space ask for: its shapes, dtype and whether some
+// mask lets whole kv tiles be skipped (the masks themselves do not change the configs).
+ConfigProblem<DotProductAttentionShape> DotProductAttentionConfigProblem(const Tensor& query, const Tensor& key,
+                                                                         const Tensor& value, bool block_sparse) {
   AttentionArgs args;  // no masks, no configs
   args.query = query;
   args.key = key;
   args.value = value;
-  const AttentionSignature sig = CheckAttentionArgs(args);
-  // A config is chosen for concrete sizes (the heuristic, the search space and the cache key all
-  // read them): traced with symbolic ones, say so instead of failing in SymInt::expect_int.
-  for (const Tensor* x : {&query, &key, &value}) {
-    for (const c10::SymInt& size : x->sym_sizes()) {
-      TORCH_CHECK(size.maybe_as_int().has_value(), kOp,
-                  ": configs are chosen for concrete shapes; call get_configs / config_space outside "
-                  "torch.compile and torch.export (the op itself picks its config inside them)");
-    }
-  }
-  DotProductAttentionShape shape = ShapeOf(sig);
+  DotProductAttentionShape shape = ShapeOf(CheckAttentionArgs(args));
   shape.block_sparse = block_sparse;
-  return shape;
-}
-
-std::vector<int64_t> HeuristicConfigOp(const Tensor& query, const Tensor& key, const Tensor& value,
-                                       bool block_sparse, int64_t product) {
-  const DotProductAttentionShape shape = ConfigShape(query, key, value, block_sparse, product);
-  return DotProductAttentionHeuristicConfig(shape, ToCoreDType(query.scalar_type(), kOp), GetCpuInfo(),
-                                            static_cast<int>(product))
-      .ToVector();
-}
-
-std::vector<int64_t> ConfigSpaceOp(const Tensor& query, const Tensor& key, const Tensor& value, bool block_sparse,
-                                   int64_t product) {
-  const DotProductAttentionShape shape = ConfigShape(query, key, value, block_sparse, product);
-  std::vector<int64_t> flat;
-  for (const DotProductAttentionConfig& c : DotProductAttentionConfigSpace(
-           shape, ToCoreDType(query.scalar_type(), kOp), GetCpuInfo(), static_cast<int>(product))) {
-    const std::vector<int64_t> values = c.ToVector();
-    flat.insert(flat.end(), values.begin(), values.end());
-  }
-  return flat;
-}
-
-std::vector<std::string> ConfigFieldsOp() {
-  return std::vector<std::string>(DotProductAttentionConfig::kFieldNames,
-                                  DotProductAttentionConfig::kFieldNames + DotProductAttentionConfig::kNumFields);
-}
-
-void ValidateConfigOp(at::IntArrayRef config) {
-  DotProductAttentionConfig parsed;
-  const Status status = DotProductAttentionConfig::FromVector(config.vec(), &parsed);
-  TORCH_CHECK(status.ok(), status.message());
+  return {shape, ToCoreDType(query.scalar_type(), kOp)};
 }
 
 }  // namespace
@@ -698,8 +655,6 @@ void ValidateConfigOp(at::IntArrayRef config) {
   "bool is_causal=False, Tensor? query_seq_lengths=None, Tensor? key_value_seq_lengths=None, "       \
   "int[]? local_window_size=None, float? logits_soft_cap=None, Tensor? q_segment_ids=None, "         \
   "Tensor? kv_segment_ids=None"
-#define TOKAMAX_ATTENTION_CONFIG_ARGS \
-  "(Tensor query, Tensor key, Tensor value, bool block_sparse=False, int product=0) -> int[]"
 
 TORCH_LIBRARY_FRAGMENT(tokamax, m) {
   m.def("dot_product_attention(" TOKAMAX_ATTENTION_ARGS
@@ -711,10 +666,9 @@ TORCH_LIBRARY_FRAGMENT(tokamax, m) {
         "Tensor? query_seq_lengths, Tensor? key_value_seq_lengths, int[]? local_window_size, "
         "float? logits_soft_cap, Tensor? q_segment_ids, Tensor? kv_segment_ids, bool bias_requires_grad, "
         "int[]? bwd_config) -> (Tensor dquery, Tensor dkey, Tensor dvalue, Tensor dbias)");
-  m.def("_dot_product_attention_heuristic_config" TOKAMAX_ATTENTION_CONFIG_ARGS);
-  m.def("_dot_product_attention_config_space" TOKAMAX_ATTENTION_CONFIG_ARGS);
-  m.def("_dot_product_attention_config_fields() -> str[]", &tokamax::ConfigFieldsOp);
-  m.def("_dot_product_attention_validate_config(int[] config) -> ()", &tokamax::ValidateConfigOp);
+  tokamax::DefineConfigOps<&tokamax::DotProductAttentionConfigProblem, &tokamax::DotProductAttentionHeuristicConfig,
+                           &tokamax::DotProductAttentionConfigSpace>(
+      m, "Tensor query, Tensor key, Tensor value, bool block_sparse=False");
 }
 
 TORCH_LIBRARY_IMPL(tokamax, CPU, m) {
@@ -724,11 +678,6 @@ TORCH_LIBRARY_IMPL(tokamax, CPU, m) {
 
 TORCH_LIBRARY_IMPL(tokamax, CompositeImplicitAutograd, m) {
   m.impl("dot_product_attention_reference", &tokamax::ForwardEntry<tokamax::DotProductAttentionReferenceImpl>);
-}
-
-TORCH_LIBRARY_IMPL(tokamax, CompositeExplicitAutograd, m) {
-  m.impl("_dot_product_attention_heuristic_config", &tokamax::HeuristicConfigOp);
-  m.impl("_dot_product_attention_config_space", &tokamax::ConfigSpaceOp);
 }
 
 TORCH_LIBRARY_IMPL(tokamax, Meta, m) {

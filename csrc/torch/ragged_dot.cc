@@ -10,6 +10,7 @@
 
 #include "csrc/core/cpu_info.h"
 #include "csrc/torch/adapter_utils.h"
+#include "csrc/torch/op_kit.h"
 #include "csrc/ops/ragged_dot/ragged_dot.h"
 
 namespace tokamax {
@@ -35,32 +36,25 @@ struct RaggedDotSignature {
   RaggedDotConfigs configs;  // parsed and validated
 };
 
-// The one argument check, shared by the kernel, the reference and their meta kernels, so eager
-// and compiled code raise the same errors; the reference validates configs it does not use. Only metadata is read; group size values are checked
-// by the kernels before any compute.
-RaggedDotConfig ParseConfig(const std::vector<int64_t>& values, const char* name) {
-  RaggedDotConfig parsed;
-  const Status status = RaggedDotConfig::FromVector(values, &parsed);
-  TORCH_CHECK(status.ok(), "ragged_dot: ", name, ": ", status.message());
-  return parsed;
-}
-
 RaggedDotConfigs ParseConfigs(at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
   RaggedDotConfigs configs;
-  if (config.has_value()) configs.forward = ParseConfig(config->vec(), "config");
+  configs.forward = ParseOptionalConfig<RaggedDotConfig>(config, "config");
   if (bwd_config.has_value()) {
-    const std::vector<int64_t> values = bwd_config->vec();
+    const size_t size = bwd_config->size();
     constexpr size_t kFields = RaggedDotConfig::kNumFields;
-    TORCH_CHECK(values.size() == kFields || values.size() == 2 * kFields, "ragged_dot: bwd_config must hold ",
+    TORCH_CHECK(size == kFields || size == 2 * kFields, "ragged_dot: bwd_config must hold ",
                 kFields, " values (one config for both gradient products) or ", 2 * kFields,
-                " (lhs gradient, then rhs gradient), got ", values.size());
-    configs.dlhs = ParseConfig({values.begin(), values.begin() + kFields}, "bwd_config");
-    configs.drhs = values.size() == kFields ? configs.dlhs
-                                            : ParseConfig({values.begin() + kFields, values.end()}, "bwd_config");
+                " (lhs gradient, then rhs gradient), got ", size);
+    configs.dlhs = ParseConfig<RaggedDotConfig>(bwd_config->slice(0, kFields), "bwd_config");
+    configs.drhs = size == kFields ? configs.dlhs
+                                            : ParseConfig<RaggedDotConfig>(bwd_config->slice(kFields), "bwd_config");
   }
   return configs;
 }
 
+// The one argument check, shared by the kernel, the reference and their meta kernels, so eager
+// and compiled code raise the same errors; the reference validates configs it does not use. Only
+// metadata is read; group size values are checked by the kernels before any compute.
 RaggedDotSignature CheckRaggedDotArgs(const Tensor& lhs, const Tensor& rhs, const Tensor& group_sizes,
                                       at::OptionalIntArrayRef dimension_numbers,
                                       std::optional<at::ScalarType> preferred_element_type,
@@ -142,11 +136,6 @@ RaggedDotShape ShapeOf(const Tensor& lhs, const Tensor& group_sizes, const Ragge
   return shape;
 }
 
-RaggedDotConfig ResolveConfig(const std::optional<RaggedDotConfig>& config, const RaggedDotShape& shape,
-                              at::ScalarType dtype) {
-  return config.has_value() ? *config : RaggedDotHeuristicConfig(shape, ToCoreDType(dtype, "ragged_dot"), GetCpuInfo());
-}
-
 Tensor3View ViewOf(const Tensor& t) {
   Tensor3View view;
   view.data = t.const_data_ptr();
@@ -166,7 +155,9 @@ Tensor RaggedDotCpu(const Tensor& lhs, const Tensor& rhs, const Tensor& group_si
   const RaggedDotSignature sig =
       CheckRaggedDotArgs(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type, config, bwd_config);
   const RaggedDotShape shape = ShapeOf(lhs, group_sizes, sig);
-  const RaggedDotConfig resolved = ResolveConfig(sig.configs.forward, shape, lhs.scalar_type());
+  // A gradient product runs as a ragged_dot call of its own: to that call it is the forward product.
+  const RaggedDotConfig resolved = ConfigOrHeuristic<&RaggedDotHeuristicConfig>(
+      sig.configs.forward, shape, ToCoreDType(lhs.scalar_type(), "ragged_dot"), RaggedDotProduct::kForward);
   const std::vector<int64_t> sizes = GroupSizesToVector(group_sizes);
   const Status sizes_status = CheckRaggedDotGroupSizes(sizes.data(), shape.g, shape.m);
   TORCH_CHECK(sizes_status.ok(), sizes_status.message());
@@ -317,51 +308,14 @@ Tensor RaggedDotAutograd(const Tensor& lhs, const Tensor& rhs, const Tensor& gro
                                   bwd_config, kReference);
 }
 
-// ---- configs for Python: heuristics, the search space, field names ---------------------------
+// ---- configs for Python: the helper ops' problem (op_kit.h) ------------------------------------
 
-// product: 0 the forward call itself, 1 its lhs gradient, 2 its rhs gradient.
-RaggedDotShape ProductShape(const Tensor& lhs, const Tensor& rhs, const Tensor& group_sizes,
-                            at::OptionalIntArrayRef dimension_numbers,
-                            std::optional<at::ScalarType> preferred_element_type, int64_t product) {
-  TORCH_CHECK(product >= 0 && product <= 2,
-              "ragged_dot: product must be 0 (forward), 1 (lhs gradient) or 2 (rhs gradient), got ", product);
+// The call whose configs get_configs / config_space ask for.
+ConfigProblem<RaggedDotShape> RaggedDotConfigProblem(const Tensor& lhs, const Tensor& rhs, const Tensor& group_sizes,
+                                                     at::OptionalIntArrayRef dimension_numbers,
+                                                     std::optional<at::ScalarType> preferred_element_type) {
   const RaggedDotSignature sig = CheckRaggedDotArgs(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type);
-  const RaggedDotShape forward = ShapeOf(lhs, group_sizes, sig);
-  if (product == 0) return forward;
-  const RaggedDotBackwardShapes backward = RaggedDotBackwardShapesOf(forward);
-  return product == 1 ? backward.dlhs : backward.drhs;
-}
-
-std::vector<int64_t> HeuristicConfigOp(const Tensor& lhs, const Tensor& rhs, const Tensor& group_sizes,
-                                       at::OptionalIntArrayRef dimension_numbers,
-                                       std::optional<at::ScalarType> preferred_element_type, int64_t product) {
-  const RaggedDotShape shape =
-      ProductShape(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type, product);
-  return RaggedDotHeuristicConfig(shape, ToCoreDType(lhs.scalar_type(), "ragged_dot"), GetCpuInfo()).ToVector();
-}
-
-std::vector<int64_t> ConfigSpaceOp(const Tensor& lhs, const Tensor& rhs, const Tensor& group_sizes,
-                                   at::OptionalIntArrayRef dimension_numbers,
-                                   std::optional<at::ScalarType> preferred_element_type, int64_t product) {
-  const RaggedDotShape shape =
-      ProductShape(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type, product);
-  std::vector<int64_t> flat;
-  for (const RaggedDotConfig& c : RaggedDotConfigSpace(shape, ToCoreDType(lhs.scalar_type(), "ragged_dot"), GetCpuInfo())) {
-    const std::vector<int64_t> values = c.ToVector();
-    flat.insert(flat.end(), values.begin(), values.end());
-  }
-  return flat;
-}
-
-std::vector<std::string> ConfigFieldsOp() {
-  return std::vector<std::string>(RaggedDotConfig::kFieldNames,
-                                  RaggedDotConfig::kFieldNames + RaggedDotConfig::kNumFields);
-}
-
-void ValidateConfigOp(at::IntArrayRef config) {
-  RaggedDotConfig parsed;
-  const Status status = RaggedDotConfig::FromVector(config.vec(), &parsed);
-  TORCH_CHECK(status.ok(), status.message());
+  return {ShapeOf(lhs, group_sizes, sig), ToCoreDType(lhs.scalar_type(), "ragged_dot")};
 }
 
 }  // namespace
@@ -370,17 +324,14 @@ void ValidateConfigOp(at::IntArrayRef config) {
 #define TOKAMAX_RAGGED_DOT_ARGS                                                                     \
   "(Tensor lhs, Tensor rhs, Tensor group_sizes, int[]? ragged_dot_dimension_numbers=None, "        \
   "ScalarType? preferred_element_type=None, int[]? config=None, int[]? bwd_config=None) -> Tensor"
-#define TOKAMAX_RAGGED_DOT_CONFIG_ARGS                                                              \
-  "(Tensor lhs, Tensor rhs, Tensor group_sizes, int[]? ragged_dot_dimension_numbers=None, "        \
-  "ScalarType? preferred_element_type=None, int product=0) -> int[]"
 
 TORCH_LIBRARY_FRAGMENT(tokamax, m) {
   m.def("ragged_dot" TOKAMAX_RAGGED_DOT_ARGS);
   m.def("ragged_dot_reference" TOKAMAX_RAGGED_DOT_ARGS);
-  m.def("_ragged_dot_heuristic_config" TOKAMAX_RAGGED_DOT_CONFIG_ARGS);
-  m.def("_ragged_dot_config_space" TOKAMAX_RAGGED_DOT_CONFIG_ARGS);
-  m.def("_ragged_dot_config_fields() -> str[]", &tokamax::ConfigFieldsOp);
-  m.def("_ragged_dot_validate_config(int[] config) -> ()", &tokamax::ValidateConfigOp);
+  tokamax::DefineConfigOps<&tokamax::RaggedDotConfigProblem, &tokamax::RaggedDotHeuristicConfig,
+                           &tokamax::RaggedDotConfigSpace>(
+      m, "Tensor lhs, Tensor rhs, Tensor group_sizes, int[]? ragged_dot_dimension_numbers=None, "
+         "ScalarType? preferred_element_type=None");
 }
 
 TORCH_LIBRARY_IMPL(tokamax, CPU, m) {
@@ -389,8 +340,6 @@ TORCH_LIBRARY_IMPL(tokamax, CPU, m) {
 
 TORCH_LIBRARY_IMPL(tokamax, CompositeExplicitAutograd, m) {
   m.impl("ragged_dot_reference", &tokamax::RaggedDotReferenceImpl);
-  m.impl("_ragged_dot_heuristic_config", &tokamax::HeuristicConfigOp);
-  m.impl("_ragged_dot_config_space", &tokamax::ConfigSpaceOp);
 }
 
 TORCH_LIBRARY_IMPL(tokamax, Meta, m) {

@@ -11,7 +11,6 @@ turns Python arguments into the schema's primitives.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional, Sequence, Union
 
 import torch
@@ -19,32 +18,16 @@ import torch
 from tokamax_torch import configs as _configs
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Tiling of the CPU kernel; mirrors ``tokamax::DotProductAttentionConfig`` field for field.
+#: Tiling of the CPU kernel; its fields come from ``tokamax::DotProductAttentionConfig``'s field list.
+Config = _configs.config_class(
+    "dot_product_attention",
+    __name__,
+    "Tiling of the dot_product_attention CPU kernel (``tokamax::DotProductAttentionConfig``); one Config "
+    "serves the forward and the backward.",
+)
 
-    block_q: query positions per task (a tile has block_q x N/K rows, one per query head of the
-    kv head's group). block_kv: keys per tile, a multiple of 8; masks skip whole tiles.
-    num_splits: forward, the kv sequence of each task is split into this many chunks merged by
-    logsumexp (decode); backward, the query blocks of each kv head are split into this many
-    chunks whose dk/dv partial sums are added in a fixed order.
-    """
-
-    block_q: int
-    block_kv: int
-    num_splits: int
-
-    __post_init__ = _configs.make_validator(
-        lambda values: torch.ops.tokamax._dot_product_attention_validate_config(values)
-    )
-
-    def to_list(self) -> list[int]:
-        return [self.block_q, self.block_kv, self.num_splits]
-
-
-_configs.check_fields_match(Config, torch.ops.tokamax._dot_product_attention_config_fields())
-
-PRODUCTS = {"forward": 0, "backward": 1}
+#: The forward call and its backward, as declared in C++ (TOKAMAX_DOT_PRODUCT_ATTENTION_PRODUCTS).
+PRODUCTS = _configs.products("dot_product_attention")
 ConfigLike = Union[Config, Sequence[int], None]
 WindowLike = Union[int, Sequence[Optional[int]], None]
 #: What an unbounded side of the window crosses the schema as (the kernel clamps it).

@@ -49,31 +49,10 @@ TRANS_RHS = RaggedDotDimensionNumbers((1,), (2,), (), (), (0,), (0,))
 RAGGED_CONTRACTING = RaggedDotDimensionNumbers((0,), (0,), (), (), (0,), ())
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Blocking of the CPU kernel; mirrors ``tokamax::RaggedDotConfig`` field for field.
-
-    block_m: rows of A packed at once (multiple of 6). block_k: depth of one packed K slice.
-    block_n: columns per task and per packed B block (multiple of 16). task_m: rows per
-    parallel task (multiple of block_m). pack_b_min_rows: tasks with fewer rows read B in
-    place instead of packing it.
-    """
-
-    block_m: int
-    block_k: int
-    block_n: int
-    task_m: int
-    pack_b_min_rows: int
-
-    __post_init__ = _configs.make_validator(
-        lambda values: torch.ops.tokamax._ragged_dot_validate_config(values)
-    )
-
-    def to_list(self) -> list[int]:
-        return [self.block_m, self.block_k, self.block_n, self.task_m, self.pack_b_min_rows]
-
-
-_configs.check_fields_match(Config, torch.ops.tokamax._ragged_dot_config_fields())
+#: Blocking of the CPU kernel; its fields come from ``tokamax::RaggedDotConfig``'s field list.
+Config = _configs.config_class(
+    "ragged_dot", __name__, "Blocking of the ragged_dot CPU kernel (``tokamax::RaggedDotConfig``)."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +73,8 @@ class BackwardConfig:
 DimensionNumbersLike = Union[RaggedDotDimensionNumbers, Sequence[int], None]
 DTypeLike = Union[torch.dtype, str, None]
 ConfigLike = Union[Config, BackwardConfig, Sequence[int], None]
-PRODUCTS = {"forward": 0, "dlhs": 1, "drhs": 2}
+#: The call itself and its two gradient products, as declared in C++ (TOKAMAX_RAGGED_DOT_PRODUCTS).
+PRODUCTS = _configs.products("ragged_dot")
 
 
 def _flat_dimension_numbers(dimension_numbers: DimensionNumbersLike) -> Optional[list[int]]:

@@ -11,6 +11,7 @@
 #include <limits>
 #include <vector>
 
+#include "csrc/core/config_fields.h"
 #include "csrc/core/cpu_info.h"
 #include "csrc/core/dtype.h"
 #include "csrc/core/status.h"
@@ -82,31 +83,32 @@ struct DotProductAttentionShape {
   bool block_sparse = false;  // a causal, window, length or segment mask lets blocks be skipped
 };
 
-// Knobs of the CPU kernel, in the order they cross the schema as int[]. The same struct serves
-// the forward and the backward pass.
+// Knobs of the CPU kernel, in the order they cross the schema as int[]:
+//   X(name, default, min, max, multiple_of, meaning). One struct serves the forward and the
+// backward pass. The tile-size limit tying block_q to block_kv is in ValidateCrossFields.
+#define TOKAMAX_DOT_PRODUCT_ATTENTION_CONFIG_FIELDS(X)                                               \
+  X(block_q, 96, 1, 4096, 1, "query positions per task (times N/K query heads: the tile's rows)")  \
+  X(block_kv, 256, 8, 8192, 8, "keys per tile (the granularity of block skipping)")                \
+  X(num_splits, 1, 1, 256, 1,                                                                      \
+    "forward: the kv sequence of each task is split into this many chunks run in parallel and "   \
+    "merged by logsumexp (decode); backward: the query sequence of each kv head is split into "   \
+    "this many chunks whose dk/dv partial sums are added in a fixed order")
+// The products configured and tuned separately.
+#define TOKAMAX_DOT_PRODUCT_ATTENTION_PRODUCTS(X) X(kForward, "forward") X(kBackward, "backward")
+
 struct DotProductAttentionConfig {
-  int64_t block_q = 96;   // query positions per task (times N/K query heads = the tile's rows)
-  int64_t block_kv = 256; // keys per tile (the granularity of block skipping)
-  // Forward: the kv sequence of each task is split into this many chunks run in parallel and
-  // merged by logsumexp (decode). Backward: the query sequence of each kv head is split into
-  // this many chunks whose dk/dv partial sums are added in a fixed order.
-  int64_t num_splits = 1;
-
-  static constexpr int kNumFields = 3;
-  static const char* const kFieldNames[kNumFields];
-
-  Status Validate() const;
-  std::vector<int64_t> ToVector() const;
-  static Status FromVector(const std::vector<int64_t>& values, DotProductAttentionConfig* config);
-  bool operator==(const DotProductAttentionConfig& other) const { return ToVector() == other.ToVector(); }
+  TOKAMAX_CONFIG_BODY(DotProductAttentionConfig, "dot_product_attention", TOKAMAX_DOT_PRODUCT_ATTENTION_CONFIG_FIELDS,
+                      TOKAMAX_DOT_PRODUCT_ATTENTION_PRODUCTS)
 };
+using DotProductAttentionProduct = DotProductAttentionConfig::Product;
 
-// product: 0 forward, 1 backward. Pure functions of the shape, the dtype and the CPU.
-DotProductAttentionConfig DotProductAttentionHeuristicConfig(const DotProductAttentionShape& shape, DType dtype,
-                                                             const CpuInfo& cpu, int product);
-std::vector<DotProductAttentionConfig> DotProductAttentionConfigSpace(const DotProductAttentionShape& shape,
+// Pure functions of the call's shape, the dtype, the CPU and the product.
+DotProductAttentionConfig DotProductAttentionHeuristicConfig(const DotProductAttentionShape& call, DType dtype,
+                                                             const CpuInfo& cpu, DotProductAttentionProduct product);
+// Candidates for the autotuner: valid configs around the heuristic one, heuristic first.
+std::vector<DotProductAttentionConfig> DotProductAttentionConfigSpace(const DotProductAttentionShape& call,
                                                                       DType dtype, const CpuInfo& cpu,
-                                                                      int product);
+                                                                      DotProductAttentionProduct product);
 
 // Sequence lengths must lie in [0, max]; the adapter checks shapes and dtypes itself.
 Status CheckAttentionLengths(const int64_t* lengths, int64_t batch, int64_t max, const char* name);

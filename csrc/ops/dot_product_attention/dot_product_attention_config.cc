@@ -13,9 +13,7 @@ namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-constexpr int64_t kMaxBlockQ = 4096;
-constexpr int64_t kMaxBlockKv = 8192;
-constexpr int64_t kMaxSplits = 256;
+constexpr int64_t kMaxSplits = ConfigFieldNamed<DotProductAttentionConfig>("num_splits").max;
 // The largest logits tile a config may ask for (block_q x block_kv fp32, before multiplying by
 // the group size): 16 MiB. The kernel checks the tile with the group size folded in.
 constexpr int64_t kMaxTileFloats = int64_t{1} << 22;
@@ -30,6 +28,8 @@ constexpr int64_t kTargetBackwardTasks = 4;
 // Key counts that split into whole fp32 micro-kernel panels on every tier (mr 6 and 12), and
 // are multiples of 8 as configs must be.
 constexpr int64_t kFp32KvMultiple = 24;
+static_assert(kFp32KvMultiple % ConfigFieldNamed<DotProductAttentionConfig>("block_kv").multiple_of == 0,
+              "rounded tiles must stay valid block_kv values");
 
 // block_kv for the products of `dtype`. The fp32 micro-kernels (every dtype but bf16 widens to
 // them) cut a kv tile into panels of mr keys: 128 keys are 10 2/3 panels, the last a third
@@ -41,55 +41,21 @@ int64_t KvTileKeys(int64_t block_kv, DType dtype) {
   return dtype == DType::kBFloat16 ? block_kv : block_kv / kFp32KvMultiple * kFp32KvMultiple;
 }
 
-Status FieldError(const char* field, const std::string& expected, int64_t got) {
-  return Status::Error(std::string("dot_product_attention config: ") + field + " must be " + expected +
-                       ", got " + std::to_string(got));
-}
-
 int64_t GroupOf(const DotProductAttentionShape& shape) {
   return shape.kv_heads > 0 ? std::max<int64_t>(shape.q_heads / shape.kv_heads, 1) : 1;
 }
 
 }  // namespace
 
-const char* const DotProductAttentionConfig::kFieldNames[DotProductAttentionConfig::kNumFields] = {
-    "block_q", "block_kv", "num_splits"};
-
-Status DotProductAttentionConfig::Validate() const {
-  if (block_q < 1 || block_q > kMaxBlockQ) {
-    return FieldError("block_q", "in [1, " + std::to_string(kMaxBlockQ) + "]", block_q);
-  }
-  if (block_kv < 8 || block_kv > kMaxBlockKv || block_kv % 8 != 0) {
-    return FieldError("block_kv", "a multiple of 8 in [8, " + std::to_string(kMaxBlockKv) + "]", block_kv);
-  }
-  if (num_splits < 1 || num_splits > kMaxSplits) {
-    return FieldError("num_splits", "in [1, " + std::to_string(kMaxSplits) + "]", num_splits);
-  }
+Status DotProductAttentionConfig::ValidateCrossFields() const {
   if (block_q * block_kv > kMaxTileFloats) {
-    return FieldError("block_q * block_kv", "at most 2^22 (a 16 MiB logits tile)", block_q * block_kv);
+    return ConfigError(kOpName, "block_q * block_kv", "at most 2^22 (a 16 MiB logits tile)", block_q * block_kv);
   }
-  return Status::Ok();
-}
-
-std::vector<int64_t> DotProductAttentionConfig::ToVector() const { return {block_q, block_kv, num_splits}; }
-
-Status DotProductAttentionConfig::FromVector(const std::vector<int64_t>& values, DotProductAttentionConfig* config) {
-  if (values.size() != kNumFields) {
-    return Status::Error("dot_product_attention config: expected " + std::to_string(kNumFields) +
-                         " values (block_q, block_kv, num_splits), got " + std::to_string(values.size()));
-  }
-  DotProductAttentionConfig parsed;
-  parsed.block_q = values[0];
-  parsed.block_kv = values[1];
-  parsed.num_splits = values[2];
-  const Status status = parsed.Validate();
-  if (!status.ok()) return status;
-  *config = parsed;
   return Status::Ok();
 }
 
 DotProductAttentionConfig DotProductAttentionHeuristicConfig(const DotProductAttentionShape& shape, DType dtype,
-                                                             const CpuInfo& cpu, int product) {
+                                                             const CpuInfo& cpu, DotProductAttentionProduct product) {
   // The block sizes fit L2 for every dtype: the fp32 paths widen every operand while packing,
   // and the bf16 engine's tiles (avx512bf16, amx), half the bytes, fit wherever the fp32 ones do
   // (an A/B of block sizes on the amx paths stayed within the noise, docs/benchmarks.md). Only
@@ -113,7 +79,7 @@ DotProductAttentionConfig DotProductAttentionHeuristicConfig(const DotProductAtt
   const int64_t heads = std::max<int64_t>(shape.batch * shape.kv_heads, 1);
   // num_splits depends on the shape alone (never the thread count), so results are the same
   // bits on any machine with the same ISA tier.
-  if (product == 0) {
+  if (product == DotProductAttentionProduct::kForward) {
     // Decode: too few (batch, kv head, q block) tasks to fill the cores: split the keys. The
     // row path's tasks hold every kv head of a batch.
     const int64_t tasks = (row_path ? std::max<int64_t>(shape.batch, 1) : heads) * q_blocks;
@@ -132,7 +98,7 @@ DotProductAttentionConfig DotProductAttentionHeuristicConfig(const DotProductAtt
 
 std::vector<DotProductAttentionConfig> DotProductAttentionConfigSpace(const DotProductAttentionShape& shape,
                                                                       DType dtype, const CpuInfo& cpu,
-                                                                      int product) {
+                                                                      DotProductAttentionProduct product) {
   const DotProductAttentionConfig heuristic = DotProductAttentionHeuristicConfig(shape, dtype, cpu, product);
   std::vector<DotProductAttentionConfig> space = {heuristic};
   std::set<std::vector<int64_t>> seen = {heuristic.ToVector()};

@@ -384,26 +384,26 @@ TEST(DotProductAttentionConfigTest, ValidateAndRoundTrip) {
 TEST(DotProductAttentionConfigTest, HeuristicsSplitDecodeAndStayValid) {
   CpuInfo cpu;
   DotProductAttentionShape decode{1, 1, 4096, 32, 8, 128, 128, false};
-  const DotProductAttentionConfig fwd = DotProductAttentionHeuristicConfig(decode, DType::kFloat32, cpu, 0);
+  const DotProductAttentionConfig fwd = DotProductAttentionHeuristicConfig(decode, DType::kFloat32, cpu, DotProductAttentionProduct::kForward);
   EXPECT_TRUE(fwd.Validate().ok());
   EXPECT_EQ(fwd.block_q, 1);
   DotProductAttentionShape single{1, 1, 4096, 4, 1, 128, 128, false};
-  EXPECT_GT(DotProductAttentionHeuristicConfig(single, DType::kFloat32, cpu, 0).num_splits, 1);
+  EXPECT_GT(DotProductAttentionHeuristicConfig(single, DType::kFloat32, cpu, DotProductAttentionProduct::kForward).num_splits, 1);
   DotProductAttentionShape prefill{1, 2048, 2048, 16, 16, 128, 128, true};
-  const DotProductAttentionConfig pre = DotProductAttentionHeuristicConfig(prefill, DType::kBFloat16, cpu, 0);
+  const DotProductAttentionConfig pre = DotProductAttentionHeuristicConfig(prefill, DType::kBFloat16, cpu, DotProductAttentionProduct::kForward);
   EXPECT_EQ(pre.num_splits, 1);
   EXPECT_EQ(pre.block_q, 96);
   EXPECT_EQ(pre.block_kv % 32, 0);  // bf16: whole tiles of the bf16 engine (16 keys, 32 deep)
   // fp32: whole micro-kernel panels on every tier (mr 6 and 12), for the heuristic and the space.
-  EXPECT_EQ(DotProductAttentionHeuristicConfig(prefill, DType::kFloat32, cpu, 0).block_kv % 24, 0);
-  EXPECT_EQ(DotProductAttentionHeuristicConfig(prefill, DType::kFloat32, cpu, 1).block_kv % 24, 0);
-  for (const DotProductAttentionConfig& c : DotProductAttentionConfigSpace(prefill, DType::kFloat32, cpu, 0)) {
+  EXPECT_EQ(DotProductAttentionHeuristicConfig(prefill, DType::kFloat32, cpu, DotProductAttentionProduct::kForward).block_kv % 24, 0);
+  EXPECT_EQ(DotProductAttentionHeuristicConfig(prefill, DType::kFloat32, cpu, DotProductAttentionProduct::kBackward).block_kv % 24, 0);
+  for (const DotProductAttentionConfig& c : DotProductAttentionConfigSpace(prefill, DType::kFloat32, cpu, DotProductAttentionProduct::kForward)) {
     EXPECT_EQ(c.block_kv % 24, 0) << c.block_kv;
   }
-  for (const DotProductAttentionConfig& c : DotProductAttentionConfigSpace(prefill, DType::kFloat32, cpu, 1)) {
+  for (const DotProductAttentionConfig& c : DotProductAttentionConfigSpace(prefill, DType::kFloat32, cpu, DotProductAttentionProduct::kBackward)) {
     EXPECT_TRUE(c.Validate().ok());
   }
-  EXPECT_GT(DotProductAttentionConfigSpace(prefill, DType::kFloat32, cpu, 0).size(), 4u);
+  EXPECT_GT(DotProductAttentionConfigSpace(prefill, DType::kFloat32, cpu, DotProductAttentionProduct::kForward).size(), 4u);
 }
 
 TEST(DotProductAttentionConfigTest, LengthsChecked) {

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "csrc/core/config_fields.h"
 #include "csrc/core/cpu_info.h"
 #include "csrc/core/dtype.h"
 #include "csrc/core/status.h"
@@ -56,35 +57,34 @@ struct RaggedDotShape {
   int64_t g = 0;  // number of groups
 };
 
-// Knobs of the CPU kernel, in the order they cross the schema as int[].
+// Knobs of the CPU kernel, in the order they cross the schema as int[]:
+//   X(name, default, min, max, multiple_of, meaning). Rules tying fields together live in
+// RaggedDotConfig::ValidateCrossFields (task_m a multiple of block_m, scratch limits).
+#define TOKAMAX_RAGGED_DOT_CONFIG_FIELDS(X)                                                       \
+  X(block_m, 144, 6, 1536, 6, "rows of A packed at once")                                          \
+  X(block_k, 256, 1, 8192, 1, "depth of one packed slice of K")                                    \
+  X(block_n, 512, 16, 8192, 16, "columns per task and per packed B block")                         \
+  X(task_m, 1152, 6, 65536, 1, "rows per parallel task; a multiple of block_m")                   \
+  X(pack_b_min_rows, 12, 0, (int64_t{1} << 30), 1,                                                \
+    "a task with fewer rows reads B in place instead of packing it")
+// The products configured and tuned separately: the call itself, then its two gradients (the
+// lhs gradient and the rhs gradient, each itself a ragged_dot; see RaggedDotProductShape).
+#define TOKAMAX_RAGGED_DOT_PRODUCTS(X) X(kForward, "forward") X(kDlhs, "dlhs") X(kDrhs, "drhs")
+
 struct RaggedDotConfig {
-  int64_t block_m = 144;         // rows of A packed at once; multiple of 6
-  int64_t block_k = 256;         // depth of one packed slice of K
-  int64_t block_n = 512;         // columns per task and per packed B block; multiple of 16
-  int64_t task_m = 1152;         // rows per parallel task; multiple of block_m
-  int64_t pack_b_min_rows = 12;  // a task with fewer rows reads B in place instead of packing
-
-  static constexpr int kNumFields = 5;
-  static const char* const kFieldNames[kNumFields];
-
-  Status Validate() const;
-  std::vector<int64_t> ToVector() const;
-  static Status FromVector(const std::vector<int64_t>& values, RaggedDotConfig* config);
-  bool operator==(const RaggedDotConfig& other) const { return ToVector() == other.ToVector(); }
+  TOKAMAX_CONFIG_BODY(RaggedDotConfig, "ragged_dot", TOKAMAX_RAGGED_DOT_CONFIG_FIELDS, TOKAMAX_RAGGED_DOT_PRODUCTS)
 };
+using RaggedDotProduct = RaggedDotConfig::Product;
 
-// A pure function of the shape, the input dtype and the CPU.
-RaggedDotConfig RaggedDotHeuristicConfig(const RaggedDotShape& shape, DType dtype, const CpuInfo& cpu);
-// The two products that make the gradient of a forward call with shape `forward`: the lhs
-// gradient first, then the rhs gradient (see csrc/torch/ragged_dot.cc for the algebra).
-struct RaggedDotBackwardShapes {
-  RaggedDotShape dlhs;
-  RaggedDotShape drhs;
-};
-RaggedDotBackwardShapes RaggedDotBackwardShapesOf(const RaggedDotShape& forward);
+// The shape of `product` of a call with shape `call` (the call itself for kForward).
+RaggedDotShape RaggedDotProductShape(const RaggedDotShape& call, RaggedDotProduct product);
+// Pure functions of the call's shape, the input dtype, the CPU and the product; the config of a
+// product is that of a forward call with the product's shape.
+RaggedDotConfig RaggedDotHeuristicConfig(const RaggedDotShape& call, DType dtype, const CpuInfo& cpu,
+                                         RaggedDotProduct product);
 // Candidates for the autotuner: valid configs around the heuristic one, heuristic first.
-std::vector<RaggedDotConfig> RaggedDotConfigSpace(const RaggedDotShape& shape, DType dtype,
-                                                  const CpuInfo& cpu);
+std::vector<RaggedDotConfig> RaggedDotConfigSpace(const RaggedDotShape& call, DType dtype, const CpuInfo& cpu,
+                                                  RaggedDotProduct product);
 
 // Group sizes must be non-negative and sum to at most `rows` (the rows of lhs).
 Status CheckRaggedDotGroupSizes(const int64_t* group_sizes, int64_t num_groups, int64_t rows);

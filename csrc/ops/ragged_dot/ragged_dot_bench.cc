@@ -1,6 +1,6 @@
 // Micro-benchmark of the ragged_dot core without torch: prints GFLOP/s of the forward product
 // on one thread (or two with --threads=2) for a given shape. Not part of the test suite.
-//   ragged_dot_bench M K N G [dtype: f32|bf16] [threads]
+//   ragged_dot_bench M K N G [dtype: f32|bf16] [threads] [config fields in order, "-" for the heuristic's]
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -35,14 +35,20 @@ int main(int argc, char** argv) {
   p.out_dtype = dtype;
   p.out_strides[0] = n;
   p.out_strides[1] = 1;
-  RaggedDotConfig config = RaggedDotHeuristicConfig({RaggedDotForm::kDefault, m, k, n, g}, dtype, GetCpuInfo());
-  // Optional overrides: block_m block_k block_n task_m pack_b_min_rows.
-  int64_t* fields[] = {&config.block_m, &config.block_k, &config.block_n, &config.task_m, &config.pack_b_min_rows};
-  for (int i = 0; i < 5 && 7 + i < argc; ++i) {
-    if (std::string(argv[7 + i]) != "-") *fields[i] = std::atoll(argv[7 + i]);
+  RaggedDotConfig config =
+      RaggedDotHeuristicConfig({RaggedDotForm::kDefault, m, k, n, g}, dtype, GetCpuInfo(), RaggedDotProduct::kForward);
+  // Optional overrides after the thread count, in field order ("-" keeps the heuristic's value).
+  std::vector<int64_t> values = config.ToVector();
+  for (int i = 0; i < RaggedDotConfig::kNumFields && 7 + i < argc; ++i) {
+    if (std::string(argv[7 + i]) != "-") values[i] = std::atoll(argv[7 + i]);
   }
-  std::printf("config %lld %lld %lld %lld %lld\n", (long long)config.block_m, (long long)config.block_k,
-              (long long)config.block_n, (long long)config.task_m, (long long)config.pack_b_min_rows);
+  const Status parsed = RaggedDotConfig::FromVector(values, &config);
+  if (!parsed.ok()) { std::fprintf(stderr, "%s\n", parsed.message().c_str()); return 1; }
+  std::printf("config");
+  for (int i = 0; i < RaggedDotConfig::kNumFields; ++i) {
+    std::printf(" %s=%lld", RaggedDotConfig::kFields[i].name, (long long)values[i]);
+  }
+  std::printf("\n");
   double best = 1e30;
   for (int rep = 0; rep < 5; ++rep) {
     const auto t0 = std::chrono::steady_clock::now();

@@ -13,22 +13,19 @@ namespace {
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t RoundUp(int64_t value, int64_t multiple) { return CeilDiv(value, multiple) * multiple; }
 
-constexpr int64_t kMaxBlockM = 1536;
-constexpr int64_t kMaxBlockK = 8192;
-constexpr int64_t kMaxBlockN = 8192;
-constexpr int64_t kMaxTaskM = 65536;
-constexpr int64_t kMaxPackBMinRows = int64_t{1} << 30;
+// The field list's steps are the GEMM micro-tile's: block_m whole 6-row tiles, block_n whole
+// 16-column panels.
+constexpr const ConfigField& kBlockMField = ConfigFieldNamed<RaggedDotConfig>("block_m");
+constexpr const ConfigField& kBlockNField = ConfigFieldNamed<RaggedDotConfig>("block_n");
+constexpr int64_t kMaxTaskM = ConfigFieldNamed<RaggedDotConfig>("task_m").max;
+static_assert(kBlockMField.multiple_of == kGemmMr && kBlockMField.min == kGemmMr, "block_m: whole micro-tiles");
+static_assert(kBlockNField.multiple_of == kGemmNr && kBlockNField.min == kGemmNr, "block_n: whole panels");
 // Per-thread scratch the kernel keeps (grow-only, thread-local): the fp32 accumulator of a task,
 // one packed B slice and one packed A block, each at most 64 MiB.
 constexpr int64_t kMaxScratchBytes = int64_t{64} << 20;
 // Enough tasks for load balance on a few cores, while each task stays big enough to amortise
 // packing its B block.
 constexpr int64_t kTargetTasks = 16;
-
-Status FieldError(const char* field, const std::string& expected, int64_t got) {
-  return Status::Error(std::string("ragged_dot config: ") + field + " must be " + expected +
-                       ", got " + std::to_string(got));
-}
 
 // Rows of the per-group GEMM and its output width, by form.
 int64_t GemmRowsPerGroup(const RaggedDotShape& shape) {
@@ -37,9 +34,6 @@ int64_t GemmRowsPerGroup(const RaggedDotShape& shape) {
 }
 
 }  // namespace
-
-const char* const RaggedDotConfig::kFieldNames[RaggedDotConfig::kNumFields] = {
-    "block_m", "block_k", "block_n", "task_m", "pack_b_min_rows"};
 
 const char* RaggedDotFormName(RaggedDotForm form) {
   switch (form) {
@@ -75,56 +69,47 @@ Status ParseRaggedDotDimensionNumbers(const std::vector<int64_t>& flat, RaggedDo
       "TRANS_RHS (1,1,0,0,1,1,1,2,0,0) or RAGGED_CONTRACTING (1,1,0,0,1,0,0,0,0), got " + got);
 }
 
-Status RaggedDotConfig::Validate() const {
-  if (block_m < kGemmMr || block_m > kMaxBlockM || block_m % kGemmMr != 0) {
-    return FieldError("block_m", "a multiple of 6 in [6, " + std::to_string(kMaxBlockM) + "]", block_m);
-  }
-  if (block_k < 1 || block_k > kMaxBlockK) {
-    return FieldError("block_k", "in [1, " + std::to_string(kMaxBlockK) + "]", block_k);
-  }
-  if (block_n < kGemmNr || block_n > kMaxBlockN || block_n % kGemmNr != 0) {
-    return FieldError("block_n", "a multiple of 16 in [16, " + std::to_string(kMaxBlockN) + "]", block_n);
-  }
-  if (task_m < block_m || task_m > kMaxTaskM || task_m % block_m != 0) {
-    return FieldError("task_m", "a multiple of block_m (" + std::to_string(block_m) + ") in [block_m, " +
-                                    std::to_string(kMaxTaskM) + "]",
-                      task_m);
-  }
-  if (pack_b_min_rows < 0 || pack_b_min_rows > kMaxPackBMinRows) {
-    return FieldError("pack_b_min_rows", "in [0, 2^30]", pack_b_min_rows);
+Status RaggedDotConfig::ValidateCrossFields() const {
+  if (task_m < block_m || task_m % block_m != 0) {
+    return ConfigError(kOpName, "task_m", "a multiple of block_m (" + std::to_string(block_m) + ") in [block_m, " +
+                                              std::to_string(kMaxTaskM) + "]",
+                       task_m);
   }
   if (task_m * block_n * 4 > kMaxScratchBytes) {
-    return FieldError("task_m * block_n * 4", "at most 64 MiB (accumulator)", task_m * block_n * 4);
+    return ConfigError(kOpName, "task_m * block_n * 4", "at most 64 MiB (accumulator)", task_m * block_n * 4);
   }
   if (block_k * block_n * 4 > kMaxScratchBytes) {
-    return FieldError("block_k * block_n * 4", "at most 64 MiB (packed B)", block_k * block_n * 4);
+    return ConfigError(kOpName, "block_k * block_n * 4", "at most 64 MiB (packed B)", block_k * block_n * 4);
   }
   return Status::Ok();
 }
 
-std::vector<int64_t> RaggedDotConfig::ToVector() const {
-  return {block_m, block_k, block_n, task_m, pack_b_min_rows};
-}
-
-Status RaggedDotConfig::FromVector(const std::vector<int64_t>& values, RaggedDotConfig* config) {
-  if (values.size() != kNumFields) {
-    return Status::Error("ragged_dot config: expected " + std::to_string(kNumFields) +
-                         " values (block_m, block_k, block_n, task_m, pack_b_min_rows), got " +
-                         std::to_string(values.size()));
+RaggedDotShape RaggedDotProductShape(const RaggedDotShape& call, RaggedDotProduct product) {
+  // A call (m, k, n, g) is lhs[M,K] with output width n. Each gradient is itself a ragged_dot:
+  //   DEFAULT   dlhs = TRANS_RHS(dout[M,N], rhs[G,K,N]) -> [M,K]; drhs = RAGGED_C.(lhs, dout) -> [G,K,N]
+  //   TRANS_RHS dlhs = DEFAULT(dout[M,N], rhs[G,N,K]) -> [M,K];   drhs = RAGGED_C.(dout, lhs) -> [G,N,K]
+  //   RAGGED_C. dlhs = TRANS_RHS(rhs[M,N], dout[G,K,N]) -> [M,K]; drhs = DEFAULT(lhs, dout) -> [M,N]
+  const int64_t m = call.m, k = call.k, n = call.n, g = call.g;
+  const bool dlhs = product == RaggedDotProduct::kDlhs;
+  if (product == RaggedDotProduct::kForward) return call;
+  switch (call.form) {
+    case RaggedDotForm::kDefault:
+      return dlhs ? RaggedDotShape{RaggedDotForm::kTransRhs, m, n, k, g}
+                  : RaggedDotShape{RaggedDotForm::kRaggedContracting, m, k, n, g};
+    case RaggedDotForm::kTransRhs:
+      return dlhs ? RaggedDotShape{RaggedDotForm::kDefault, m, n, k, g}
+                  : RaggedDotShape{RaggedDotForm::kRaggedContracting, m, n, k, g};
+    case RaggedDotForm::kRaggedContracting:
+      return dlhs ? RaggedDotShape{RaggedDotForm::kTransRhs, m, n, k, g}
+                  : RaggedDotShape{RaggedDotForm::kDefault, m, k, n, g};
   }
-  RaggedDotConfig parsed;
-  parsed.block_m = values[0];
-  parsed.block_k = values[1];
-  parsed.block_n = values[2];
-  parsed.task_m = values[3];
-  parsed.pack_b_min_rows = values[4];
-  Status status = parsed.Validate();
-  if (!status.ok()) return status;
-  *config = parsed;
-  return Status::Ok();
+  return call;
 }
 
-RaggedDotConfig RaggedDotHeuristicConfig(const RaggedDotShape& shape, DType dtype, const CpuInfo& cpu) {
+namespace {
+
+// The heuristic config of a forward call with this shape.
+RaggedDotConfig HeuristicOfShape(const RaggedDotShape& shape, DType dtype, const CpuInfo& cpu) {
   (void)dtype;  // B is widened to fp32 while packing, so the blocking is dtype-independent.
   RaggedDotConfig config;
   // block_k: a 16-wide fp32 B micro-panel of block_k rows must sit in L1 beside the A panel:
@@ -166,26 +151,17 @@ RaggedDotConfig RaggedDotHeuristicConfig(const RaggedDotShape& shape, DType dtyp
   return config;
 }
 
-RaggedDotBackwardShapes RaggedDotBackwardShapesOf(const RaggedDotShape& forward) {
-  // forward (m, k, n, g) is lhs[M,K] with output width n. Each gradient is itself a ragged_dot:
-  //   DEFAULT   dlhs = TRANS_RHS(dout[M,N], rhs[G,K,N]) -> [M,K]; drhs = RAGGED_C.(lhs, dout) -> [G,K,N]
-  //   TRANS_RHS dlhs = DEFAULT(dout[M,N], rhs[G,N,K]) -> [M,K];   drhs = RAGGED_C.(dout, lhs) -> [G,N,K]
-  //   RAGGED_C. dlhs = TRANS_RHS(rhs[M,N], dout[G,K,N]) -> [M,K]; drhs = DEFAULT(lhs, dout) -> [M,N]
-  const int64_t m = forward.m, k = forward.k, n = forward.n, g = forward.g;
-  switch (forward.form) {
-    case RaggedDotForm::kDefault:
-      return {{RaggedDotForm::kTransRhs, m, n, k, g}, {RaggedDotForm::kRaggedContracting, m, k, n, g}};
-    case RaggedDotForm::kTransRhs:
-      return {{RaggedDotForm::kDefault, m, n, k, g}, {RaggedDotForm::kRaggedContracting, m, n, k, g}};
-    case RaggedDotForm::kRaggedContracting:
-      return {{RaggedDotForm::kTransRhs, m, n, k, g}, {RaggedDotForm::kDefault, m, k, n, g}};
-  }
-  return {forward, forward};
+}  // namespace
+
+RaggedDotConfig RaggedDotHeuristicConfig(const RaggedDotShape& call, DType dtype, const CpuInfo& cpu,
+                                         RaggedDotProduct product) {
+  return HeuristicOfShape(RaggedDotProductShape(call, product), dtype, cpu);
 }
 
-std::vector<RaggedDotConfig> RaggedDotConfigSpace(const RaggedDotShape& shape, DType dtype,
-                                                  const CpuInfo& cpu) {
-  const RaggedDotConfig heuristic = RaggedDotHeuristicConfig(shape, dtype, cpu);
+std::vector<RaggedDotConfig> RaggedDotConfigSpace(const RaggedDotShape& call, DType dtype, const CpuInfo& cpu,
+                                                  RaggedDotProduct product) {
+  const RaggedDotShape shape = RaggedDotProductShape(call, product);
+  const RaggedDotConfig heuristic = HeuristicOfShape(shape, dtype, cpu);
   std::vector<RaggedDotConfig> space = {heuristic};
   std::set<std::vector<int64_t>> seen = {heuristic.ToVector()};
   const int64_t rows = std::max<int64_t>(GemmRowsPerGroup(shape), 1);

@@ -117,7 +117,7 @@ TEST_P(RaggedDotTest, AllFormsMatchReference) {
     for (bool strided : {false, true}) {
       Check(pb, dtype, SmallConfig(), strided);
       const RaggedDotShape shape{pb.form, pb.m, pb.k, pb.n, static_cast<int64_t>(pb.group_sizes.size())};
-      Check(pb, dtype, RaggedDotHeuristicConfig(shape, dtype, GetCpuInfo()), strided);
+      Check(pb, dtype, RaggedDotHeuristicConfig(shape, dtype, GetCpuInfo(), RaggedDotProduct::kForward), strided);
     }
   }
   SetParallelBackend(nullptr);
@@ -128,9 +128,9 @@ TEST_P(RaggedDotTest, EveryConfigOfTheSpaceMatches) {
   ScopedIsa scoped(isa);
   const Problem pb{RaggedDotForm::kDefault, 45, 40, 50, {20, 0, 22}};
   const RaggedDotShape shape{pb.form, pb.m, pb.k, pb.n, 3};
-  const auto space = RaggedDotConfigSpace(shape, dtype, GetCpuInfo());
+  const auto space = RaggedDotConfigSpace(shape, dtype, GetCpuInfo(), RaggedDotProduct::kForward);
   ASSERT_GT(space.size(), 5u);
-  EXPECT_EQ(space.front(), RaggedDotHeuristicConfig(shape, dtype, GetCpuInfo()));
+  EXPECT_EQ(space.front(), RaggedDotHeuristicConfig(shape, dtype, GetCpuInfo(), RaggedDotProduct::kForward));
   for (const RaggedDotConfig& config : space) {
     ASSERT_TRUE(config.Validate().ok()) << config.Validate().message();
     Check(pb, dtype, config, false);
@@ -160,6 +160,29 @@ TEST(RaggedDotConfigTest, RejectsBadFieldsByName) {
   EXPECT_TRUE(RaggedDotConfig::FromVector(RaggedDotConfig().ToVector(), &parsed).ok());
 }
 
+TEST(RaggedDotConfigTest, EachGradientProductIsTheForwardOfItsOwnShape) {
+  // The backward runs each gradient as a ragged_dot call with no config, which picks the forward
+  // heuristic of that call's shape: get_configs's per-product heuristic must be the same.
+  const CpuInfo& cpu = GetCpuInfo();
+  const RaggedDotShape call{RaggedDotForm::kDefault, 512, 96, 1000, 4};
+  const RaggedDotShape dlhs = RaggedDotProductShape(call, RaggedDotProduct::kDlhs);
+  const RaggedDotShape drhs = RaggedDotProductShape(call, RaggedDotProduct::kDrhs);
+  EXPECT_EQ(dlhs.form, RaggedDotForm::kTransRhs);
+  EXPECT_EQ((std::vector<int64_t>{dlhs.m, dlhs.k, dlhs.n, dlhs.g}), (std::vector<int64_t>{512, 1000, 96, 4}));
+  EXPECT_EQ(drhs.form, RaggedDotForm::kRaggedContracting);
+  EXPECT_EQ((std::vector<int64_t>{drhs.m, drhs.k, drhs.n, drhs.g}), (std::vector<int64_t>{512, 96, 1000, 4}));
+  for (RaggedDotProduct product : {RaggedDotProduct::kForward, RaggedDotProduct::kDlhs, RaggedDotProduct::kDrhs}) {
+    const RaggedDotShape shape = RaggedDotProductShape(call, product);
+    EXPECT_EQ(RaggedDotHeuristicConfig(call, DType::kFloat32, cpu, product),
+              RaggedDotHeuristicConfig(shape, DType::kFloat32, cpu, RaggedDotProduct::kForward));
+    EXPECT_EQ(RaggedDotConfigSpace(call, DType::kFloat32, cpu, product).front(),
+              RaggedDotHeuristicConfig(call, DType::kFloat32, cpu, product));
+  }
+  // The two gradient products differ in shape, and so here in config.
+  EXPECT_NE(RaggedDotHeuristicConfig(call, DType::kFloat32, cpu, RaggedDotProduct::kDlhs),
+            RaggedDotHeuristicConfig(call, DType::kFloat32, cpu, RaggedDotProduct::kDrhs));
+}
+
 TEST(RaggedDotConfigTest, HeuristicIsValidAcrossShapes) {
   for (RaggedDotForm form : {RaggedDotForm::kDefault, RaggedDotForm::kTransRhs, RaggedDotForm::kRaggedContracting}) {
     for (int64_t m : {0, 1, 64, 4096, 1 << 20}) {
@@ -167,11 +190,11 @@ TEST(RaggedDotConfigTest, HeuristicIsValidAcrossShapes) {
         for (int64_t g : {0, 1, 8, 256}) {
           const RaggedDotShape shape{form, m, kn, kn + 3, g};
           for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-            const Status s = RaggedDotHeuristicConfig(shape, dtype, GetCpuInfo()).Validate();
-            EXPECT_TRUE(s.ok()) << s.message();
-            const RaggedDotBackwardShapes backward = RaggedDotBackwardShapesOf(shape);
-            EXPECT_TRUE(RaggedDotHeuristicConfig(backward.dlhs, dtype, GetCpuInfo()).Validate().ok());
-            EXPECT_TRUE(RaggedDotHeuristicConfig(backward.drhs, dtype, GetCpuInfo()).Validate().ok());
+            for (RaggedDotProduct product :
+                 {RaggedDotProduct::kForward, RaggedDotProduct::kDlhs, RaggedDotProduct::kDrhs}) {
+              const Status s = RaggedDotHeuristicConfig(shape, dtype, GetCpuInfo(), product).Validate();
+              EXPECT_TRUE(s.ok()) << s.message();
+            }
           }
         }
       }

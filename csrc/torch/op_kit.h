@@ -1,0 +1,163 @@
+// The config plumbing every op adapter shares, generic over the op's Config (a struct written
+// with TOKAMAX_CONFIG_BODY, csrc/core/config_fields.h): parsing the schema's int[] configs,
+// picking the heuristic when none is given, and the four config helper ops Python builds its
+// Config classes and the autotuner from. Adapter-only (sees torch).
+//
+// An op registers its helper ops with one call in its TORCH_LIBRARY_FRAGMENT:
+//
+//   ConfigProblem<MyOpShape> MyOpConfigProblem(const Tensor& x, bool flag);  // checks, shape, dtype
+//   DefineConfigOps<&MyOpConfigProblem, &MyOpHeuristicConfig, &MyOpConfigSpace>(m, "Tensor x, bool flag=False");
+//
+// which defines, for the Config's kOpName `my_op`:
+//   _my_op_config_fields() -> (str[] names, str[] docs, str[] products)
+//   _my_op_validate_config(int[] config) -> ()
+//   _my_op_heuristic_config(Tensor x, bool flag=False, int product=0) -> int[]
+//   _my_op_config_space(Tensor x, bool flag=False, int product=0) -> int[]   (configs concatenated)
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "csrc/core/config_fields.h"
+#include "csrc/core/cpu_info.h"
+#include "csrc/core/dtype.h"
+
+namespace tokamax {
+
+// `values`, the schema's int[] argument `argument`, as a validated Config. The error names the
+// op, the argument, the field, the expected range and the value got.
+template <typename Config>
+Config ParseConfig(at::IntArrayRef values, const char* argument) {
+  Config parsed;
+  const Status status = Config::FromVector(values.vec(), &parsed);
+  TORCH_CHECK(status.ok(), Config::kOpName, ": ", argument, ": ", status.message());
+  return parsed;
+}
+
+template <typename Config>
+std::optional<Config> ParseOptionalConfig(at::OptionalIntArrayRef values, const char* argument) {
+  if (!values.has_value()) return std::nullopt;
+  return ParseConfig<Config>(*values, argument);
+}
+
+// The schema's `int product` (an index into Config::kProductNames) as the Config's Product.
+template <typename Config>
+typename Config::Product ParseProduct(int64_t product) {
+  if (product >= 0 && product < Config::kNumProducts) return static_cast<typename Config::Product>(product);
+  std::string expected;
+  for (int i = 0; i < Config::kNumProducts; ++i) {
+    expected += (i == 0 ? "" : i + 1 == Config::kNumProducts ? " or " : ", ") + std::to_string(i) + " (" +
+                Config::kProductNames[i] + ")";
+  }
+  TORCH_CHECK(false, Config::kOpName, ": product must be ", expected, ", got ", product);
+}
+
+// The config a kernel runs with: the caller's when given, else the heuristic's for this call.
+template <auto kHeuristic, typename Config, typename Shape>
+Config ConfigOrHeuristic(const std::optional<Config>& config, const Shape& shape, DType dtype,
+                         typename Config::Product product) {
+  return config.has_value() ? *config : kHeuristic(shape, dtype, GetCpuInfo(), product);
+}
+
+// What an op's config problem function derives from the helper ops' arguments.
+template <typename Shape>
+struct ConfigProblem {
+  Shape shape;
+  DType dtype;
+};
+
+// A config is chosen for concrete sizes (the heuristic, the search space and the cache key all
+// read them): traced with symbolic ones, say so instead of failing in SymInt::expect_int.
+inline void RequireConcreteShape(const char* op, const at::Tensor& t) {
+  for (const c10::SymInt& size : t.sym_sizes()) {
+    TORCH_CHECK(size.maybe_as_int().has_value(), op,
+                ": configs are chosen for concrete shapes; call get_configs / config_space outside "
+                "torch.compile and torch.export (the op itself picks its config inside them)");
+  }
+}
+inline void RequireConcreteShape(const char* op, const std::optional<at::Tensor>& t) {
+  if (t.has_value()) RequireConcreteShape(op, *t);
+}
+template <typename NotATensor>
+void RequireConcreteShape(const char*, const NotATensor&) {}
+
+namespace op_kit_detail {
+
+template <typename Fn>
+struct ReturnOf;
+template <typename R, typename... Args>
+struct ReturnOf<R (*)(Args...)> {
+  using type = R;
+};
+
+template <auto kProblem, auto kHeuristic, auto kSpace, typename ProblemFn = decltype(kProblem)>
+struct ConfigOps;
+
+template <auto kProblem, auto kHeuristic, auto kSpace, typename Shape, typename... Args>
+struct ConfigOps<kProblem, kHeuristic, kSpace, ConfigProblem<Shape> (*)(Args...)> {
+  using Config = typename ReturnOf<decltype(kHeuristic)>::type;
+
+  static ConfigProblem<Shape> Problem(const Args&... args) {
+    (RequireConcreteShape(Config::kOpName, args), ...);
+    return kProblem(args...);
+  }
+
+  static std::vector<int64_t> Heuristic(Args... args, int64_t product) {
+    const typename Config::Product parsed = ParseProduct<Config>(product);
+    const ConfigProblem<Shape> problem = Problem(args...);
+    return kHeuristic(problem.shape, problem.dtype, GetCpuInfo(), parsed).ToVector();
+  }
+
+  static std::vector<int64_t> Space(Args... args, int64_t product) {
+    const typename Config::Product parsed = ParseProduct<Config>(product);
+    const ConfigProblem<Shape> problem = Problem(args...);
+    std::vector<int64_t> flat;
+    for (const Config& config : kSpace(problem.shape, problem.dtype, GetCpuInfo(), parsed)) {
+      const std::vector<int64_t> values = config.ToVector();
+      flat.insert(flat.end(), values.begin(), values.end());
+    }
+    return flat;
+  }
+
+  static std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>> Fields() {
+    std::vector<std::string> names, docs;
+    for (const ConfigField& field : Config::kFields) {
+      names.push_back(field.name);
+      docs.push_back(std::string(field.doc) + " (" + ConfigFieldRange(field) + ")");
+    }
+    return {names, docs, std::vector<std::string>(Config::kProductNames.begin(), Config::kProductNames.end())};
+  }
+
+  static void Validate(at::IntArrayRef config) {
+    Config parsed;
+    const Status status = Config::FromVector(config.vec(), &parsed);
+    TORCH_CHECK(status.ok(), status.message());
+  }
+};
+
+}  // namespace op_kit_detail
+
+// Defines the four config helper ops of an op (see the top of this file). `problem_args` is the
+// schema of `kProblem`'s arguments; the heuristic and space ops take them and then `int product=0`.
+// The heuristic and space ops run outside autograd (CompositeExplicitAutograd), on real or meta
+// tensors with concrete shapes.
+template <auto kProblem, auto kHeuristic, auto kSpace>
+void DefineConfigOps(torch::Library& m, const std::string& problem_args) {
+  using Ops = op_kit_detail::ConfigOps<kProblem, kHeuristic, kSpace>;
+  const std::string prefix = std::string("_") + Ops::Config::kOpName;
+  const std::string query = "(" + problem_args + ", int product=0) -> int[]";
+  m.def((prefix + "_config_fields() -> (str[] names, str[] docs, str[] products)").c_str(), &Ops::Fields);
+  m.def((prefix + "_validate_config(int[] config) -> ()").c_str(), &Ops::Validate);
+  m.def((prefix + "_heuristic_config" + query).c_str());
+  m.def((prefix + "_config_space" + query).c_str());
+  m.impl((prefix + "_heuristic_config").c_str(),
+         torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &Ops::Heuristic));
+  m.impl((prefix + "_config_space").c_str(), torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &Ops::Space));
+}
+
+}  // namespace tokamax
