@@ -61,7 +61,7 @@ def dot_product_attention_args(shape: str, dtype: torch.dtype, causal: bool, win
 
 
 OPS = {
-    "ragged_dot": ("M,K,N,G", "forward,dlhs,drhs"),
+    "ragged_dot": ("M,K,N,G", ",".join(rd.PRODUCTS)),
     "dot_product_attention": ("B,T,S,N,K,H[,Hv]", ",".join(dpa.PRODUCTS)),
 }
 

@@ -89,9 +89,9 @@ RaggedDotShape RaggedDotProductShape(const RaggedDotShape& call, RaggedDotProduc
   //   DEFAULT   dlhs = TRANS_RHS(dout[M,N], rhs[G,K,N]) -> [M,K]; drhs = RAGGED_C.(lhs, dout) -> [G,K,N]
   //   TRANS_RHS dlhs = DEFAULT(dout[M,N], rhs[G,N,K]) -> [M,K];   drhs = RAGGED_C.(dout, lhs) -> [G,N,K]
   //   RAGGED_C. dlhs = TRANS_RHS(rhs[M,N], dout[G,K,N]) -> [M,K]; drhs = DEFAULT(lhs, dout) -> [M,N]
+  if (product == RaggedDotProduct::kForward) return call;
   const int64_t m = call.m, k = call.k, n = call.n, g = call.g;
   const bool dlhs = product == RaggedDotProduct::kDlhs;
-  if (product == RaggedDotProduct::kForward) return call;
   switch (call.form) {
     case RaggedDotForm::kDefault:
       return dlhs ? RaggedDotShape{RaggedDotForm::kTransRhs, m, n, k, g}
