@@ -19,6 +19,9 @@ import torch
 from tokamax_torch import _registry
 
 PROG = "python -m tokamax_torch.autotune"
+DESCRIPTION = ("Autotunes an op at the given shapes (random inputs of them), merges the timings into the user "
+               "cache ($TOKAMAX_TORCH_CACHE_DIR) and prints a table per shape and dtype. "
+               f"`{PROG} OP --help` lists the op's flags.")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -45,13 +48,12 @@ def _ops() -> dict:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     """The parser, and each op's sub-command parser by op name."""
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
     commands = parser.add_subparsers(dest="op", metavar="op", required=True)
     common = _common_flags()
     per_op = {}
     for name, op in _ops().items():
-        sub = commands.add_parser(name, parents=[common], help=f"--shape {op.cli_shape}",
+        sub = commands.add_parser(name, parents=[common], help=f"products {', '.join(op.products)}; --shape {op.cli_shape}",
                                   description=f"Autotunes {name} (products: {', '.join(op.products)}).")
         sub.add_argument("--shape", action="append", required=True,
                          help=f"{op.cli_shape}; repeat for several shapes")
