@@ -113,6 +113,25 @@ def test_a_new_op_is_tuned_looked_up_listed_and_on_the_command_line(toy, capsys)
     assert "autotuning toy_scale" in capsys.readouterr().out
 
 
+class _ForwardOnlyToy(_Toy):
+    family = "toy_forward_only"
+    product_specs = (_op.Product("forward", 0),)
+
+
+def test_configs_of_ops_with_none_one_or_several_backward_products(toy):
+    forward_only = _ForwardOnlyToy("kernel", None)
+    x = torch.randn(8)
+    assert tokamax_torch.get_configs(forward_only, x) == (ToyConfig(16), None)
+    assert forward_only.split_configs((ToyConfig(32), None)) == {"forward": ToyConfig(32)}
+    assert toy.split_configs(toy.assemble_configs({"forward": ToyConfig(1), "backward": ToyConfig(2)})) == {
+        "forward": ToyConfig(1), "backward": ToyConfig(2)}
+    ragged = {"forward": rd.Config(12, 64, 32, 24, 0), "dlhs": rd.Config(6, 32, 16, 6, 0),
+              "drhs": rd.Config(12, 128, 32, 12, 96)}
+    fwd, bwd = rd.kernel.assemble_configs(ragged)
+    assert isinstance(bwd, rd.BackwardConfig) and bwd.drhs == ragged["drhs"]
+    assert rd.kernel.split_configs((fwd, bwd)) == ragged
+
+
 # ---- binding ------------------------------------------------------------------------------------
 
 def test_equal_calls_bind_to_equal_arguments():
@@ -128,7 +147,8 @@ def test_equal_calls_bind_to_equal_arguments():
                                          "preferred_element_type"]
         assert bound.cache_key("dlhs") == spellings[0].cache_key("dlhs")
     typed = rd.kernel.bind(lhs, rhs, gs, preferred_element_type="bfloat16")
-    assert typed["preferred_element_type"] is torch.bfloat16 and typed.cache_key()["preferred_element_type"] == "bfloat16"
+    assert typed["preferred_element_type"] is torch.bfloat16
+    assert typed.cache_key()["preferred_element_type"] == "bfloat16"
     q, k, v = (t.to("meta") for t in attention_args())
     a = dpa.kernel.bind(q, k, v, None, None, is_causal=1, local_window_size=4, logits_soft_cap=30)
     b = dpa.kernel.bind(q, key=k, value=v, is_causal=True, local_window_size=(4, 4), logits_soft_cap=30.0, scale=0.5)
@@ -147,7 +167,7 @@ def test_binding_errors_name_the_op_and_the_argument():
         rd.kernel.bind(lhs, rhs, gs, preferred_element_type=3)
     with pytest.raises(TypeError, match="local_window_size must be an int"):
         dpa.kernel.bind(*attention_args(), local_window_size="wide")
-    with pytest.raises(ValueError, match=r"ragged_dot: product must be one of \['forward', 'dlhs', 'drhs'\], got 'bwd'"):
+    with pytest.raises(ValueError, match=r"ragged_dot: product must be one of \['forward', 'dlhs', 'drhs'\], got 'bw"):
         rd.kernel.bind(lhs, rhs, gs).cache_key("bwd")
     with pytest.raises(TypeError, match="BoundArguments already hold the call's arguments"):
         tokamax_torch.get_configs(rd.kernel.bind(lhs, rhs, gs), lhs)
@@ -156,7 +176,8 @@ def test_binding_errors_name_the_op_and_the_argument():
 def test_bound_arguments_drive_configs_calls_and_tuning():
     args = ragged_args()
     bound = rd.kernel.bind(*args)
-    assert tokamax_torch.get_configs(bound) == rd.kernel.get_configs(*args) == tokamax_torch.get_configs(rd.kernel, *args)
+    assert tokamax_torch.get_configs(bound) == rd.kernel.get_configs(*args)
+    assert tokamax_torch.get_configs(bound) == tokamax_torch.get_configs(rd.kernel, *args)
     fwd, bwd = bound.heuristic_configs()
     assert fwd == bound.config_space("forward")[0] and bwd.drhs == bound.config_space("drhs")[0]
     assert torch.equal(bound(configs=(fwd, bwd)), tokamax_torch.ragged_dot(*args))
@@ -193,7 +214,8 @@ def test_shipped_cache_keys_are_what_binding_their_arguments_gives():
             lhs, rhs = (torch.empty(key[n]["shape"], dtype=getattr(torch, key[n]["dtype"]), **META)
                         for n in ("lhs", "rhs"))
             gs = key["group_sizes"]
-            sizes = gs["values"] if "values" in gs else torch.empty(gs["shape"], dtype=getattr(torch, gs["dtype"]), **META)
+            sizes = (gs["values"] if "values" in gs
+                     else torch.empty(gs["shape"], dtype=getattr(torch, gs["dtype"]), **META))
             bound = rd.kernel.bind(lhs, rhs, sizes, ragged_dot_dimension_numbers=key["ragged_dot_dimension_numbers"],
                                    preferred_element_type=key["preferred_element_type"])
             assert bound.cache_key(key["product"]) == key, path

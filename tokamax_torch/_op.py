@@ -70,7 +70,7 @@ class BoundArguments:
         return f"BoundArguments({self.op!r}, {args})"
 
     def __call__(self, configs=None):
-        """Runs the op on these arguments."""
+        """Runs the op on these arguments (real tensors; see ``autotuning_runner`` for meta ones)."""
         return self.op(**self.arguments, configs=configs)
 
     def heuristic_config(self, product: str):
@@ -226,9 +226,12 @@ class Op:
         return config_op(*self.config_op_arguments(bound), product_id)
 
     def assemble_configs(self, per_product: Mapping[str, Any]) -> tuple:
-        """``(fwd, bwd)`` from one config per product: bwd is the backward product's config, or
-        ``backward_config_cls`` of the backward products' configs in order when there are several."""
+        """``(fwd, bwd)`` from one config per product: bwd is None for an op without a backward
+        product, the backward product's config, or ``backward_config_cls`` of the backward
+        products' configs in order when there are several."""
         forward, *backward = self.product_specs
+        if not backward:
+            return per_product[forward.name], None
         if len(backward) == 1:
             return per_product[forward.name], per_product[backward[0].name]
         return per_product[forward.name], self.backward_config_cls(*(per_product[p.name] for p in backward))
@@ -237,6 +240,8 @@ class Op:
         """The inverse of assemble_configs."""
         fwd, bwd = configs
         forward, *backward = self.product_specs
+        if not backward:
+            return {forward.name: fwd}
         if len(backward) == 1:
             return {forward.name: fwd, backward[0].name: bwd}
         return {forward.name: fwd, **{p.name: getattr(bwd, p.name) for p in backward}}

@@ -39,9 +39,10 @@ def register(singleton) -> None:
     """Adds `singleton` (an ``Op``) under its family and name; a second one of the same family
     and name is an error (two modules claiming one op)."""
     family = _FAMILIES.setdefault(singleton.family, OpFamily(singleton.family))
-    if singleton.name in family.singletons:
+    existing = family.singletons.get(singleton.name)
+    if existing is not None:
         raise ValueError(f"tokamax_torch: op {singleton.family!r} already has a {singleton.name} singleton "
-                         f"({family.singletons[singleton.name]!r} of {type(family.singletons[singleton.name]).__module__})")
+                         f"({existing!r} of {type(existing).__module__})")
     family.singletons[singleton.name] = singleton
 
 

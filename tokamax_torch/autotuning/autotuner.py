@@ -46,7 +46,8 @@ def bind_call(op, args: tuple, kwargs: dict):
                             f"{len(args)} positional and {sorted(kwargs)} keyword arguments")
         return op
     if not isinstance(op, Op):
-        raise TypeError(f"autotuning: expected a tokamax_torch op singleton such as tokamax_torch.ragged_dot, got {op!r}")
+        raise TypeError("autotuning: expected a tokamax_torch op singleton such as tokamax_torch.ragged_dot, "
+                        f"got {op!r}")
     return op.bind(*args, **kwargs)
 
 

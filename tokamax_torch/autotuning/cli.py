@@ -53,7 +53,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     common = _common_flags()
     per_op = {}
     for name, op in _ops().items():
-        sub = commands.add_parser(name, parents=[common], help=f"products {', '.join(op.products)}; --shape {op.cli_shape}",
+        sub = commands.add_parser(name, parents=[common],
+                                  help=f"products {', '.join(op.products)}; --shape {op.cli_shape}",
                                   description=f"Autotunes {name} (products: {', '.join(op.products)}).")
         sub.add_argument("--shape", action="append", required=True,
                          help=f"{op.cli_shape}; repeat for several shapes")
