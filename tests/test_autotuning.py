@@ -351,3 +351,65 @@ def test_command_line_tunes_dot_product_attention(user_cache):
     wrong_op = subprocess.run([sys.executable, "-m", "tokamax_torch.autotune", "ragged_dot", "--shape", "8,8,8,2",
                                "--causal"], env=_env(user_cache), capture_output=True, text=True)
     assert wrong_op.returncode != 0 and "--causal does not apply to ragged_dot" in wrong_op.stderr
+
+
+# ---- the command line module and the function ---------------------------------------------------
+
+SHADOW_SCRIPT = """
+import importlib, inspect, pkgutil, sys, types
+import tokamax_torch.autotune  # the command line's module, imported before anything else
+import tokamax_torch
+function = tokamax_torch.autotuning.autotune
+assert tokamax_torch.autotune is function and inspect.isfunction(function)
+import tokamax_torch.autotune as spelled_out
+from tokamax_torch import autotune
+assert spelled_out is function and autotune is function
+assert isinstance(sys.modules["tokamax_torch.autotune"], types.ModuleType)
+public = {name: getattr(tokamax_torch, name) for name in tokamax_torch.__all__}
+for info in pkgutil.walk_packages(tokamax_torch.__path__, "tokamax_torch."):
+    if not info.name.endswith("._C"):
+        importlib.import_module(info.name)
+changed = [name for name, value in public.items() if getattr(tokamax_torch, name) is not value]
+assert not changed, changed
+print("function", tokamax_torch.autotune.__module__)
+"""
+
+
+def test_autotune_stays_the_function_whatever_is_imported(user_cache):
+    out = subprocess.run([sys.executable, "-c", SHADOW_SCRIPT], env=_env(user_cache), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["function", "tokamax_torch.autotuning.autotuner"]
+
+
+@pytest.mark.parametrize("module", ["tokamax_torch.autotune", "tokamax_torch.autotuning.cli"])
+def test_command_line_runs_as_a_module(module, user_cache):
+    out = subprocess.run([sys.executable, "-m", module, "--help"], env=_env(user_cache), capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: python -m tokamax_torch.autotune")
+    assert "products forward, dlhs, drhs; --shape M,K,N,G" in out.stdout
+    assert "products forward, backward; --shape B,T,S,N,K,H[,Hv]" in out.stdout
+
+
+def test_command_line_is_built_from_the_registry(capsys):
+    from tokamax_torch import _registry
+    from tokamax_torch.autotuning import cli
+
+    _, per_op = cli.build_parser()
+    assert list(per_op) == list(_registry.tunable_families())
+    for name, sub in per_op.items():
+        kernel = _registry.family(name).kernel
+        assert kernel.cli_shape in sub.format_help()
+    for argv, message in (
+            (["ragged_dot", "--shape", "8,8,8,2", "--soft-cap", "3"],
+             "--soft-cap does not apply to ragged_dot (it is a flag of dot_product_attention)"),
+            (["ragged_dot", "--shape", "8,8,8,2", "--fast"], "unrecognized arguments: --fast"),
+            (["ragged_dot", "--shape", "8,8,8,2", "--products", "forward,backward"],
+             "--products: ragged_dot has products ['forward', 'dlhs', 'drhs'], got 'backward'"),
+            (["ragged_dot", "--shape", "8,8,8,2", "--group-sizes", "4,x"], "--group-sizes must be ints"),
+            (["ragged_dot", "--shape", "8,8,8,2", "--reps", "0"], "--reps must be >= 1"),
+            (["matmul", "--shape", "8,8"], "invalid choice: 'matmul'")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err

@@ -11,14 +11,21 @@ _library.load()
 
 import torch  # noqa: E402
 
-from tokamax_torch import ops  # noqa: E402
+import sys as _sys  # noqa: E402
+import types as _types  # noqa: E402
+
+from tokamax_torch import _registry, ops  # noqa: E402
+from tokamax_torch._op import BoundArguments  # noqa: E402
 from tokamax_torch._settings import config  # noqa: E402
 from tokamax_torch.autotuning import AutotuningResult, autotune, lookup_configs  # noqa: E402
+from tokamax_torch.autotuning.autotuner import bind_call  # noqa: E402
 
 __version__ = "0.1.0"
 
-dot_product_attention = ops.dot_product_attention.kernel
-ragged_dot = ops.ragged_dot.kernel
+# tokamax_torch.<op> is the kernel singleton of every registered op family.
+for _family in _registry.families().values():
+    globals()[_family.name] = _family.kernel
+del _family
 
 
 def device_kind(device=None) -> str:
@@ -58,22 +65,38 @@ def get_configs(op, *args, from_autotuning_cache: bool = False, **kwargs):
     the lhs- and rhs-gradient products). ``True``: exact-key lookups in the autotuning cache for
     this device kind (user directory over shipped data), each product falling back to its
     heuristic on a miss; ``tokamax_torch.config.autotuning_cache_miss`` can make a miss warn or
-    raise. The reference returns ``(None, None)``. Works on meta tensors.
+    raise. The reference returns ``(None, None)``. Works on meta tensors. ``op`` may also be a
+    ``BoundArguments`` (``op.bind(*args, **kwargs)``), with no further arguments.
     """
+    bound = bind_call(op, args, kwargs)
     if from_autotuning_cache:
-        return lookup_configs(op, *args, **kwargs)
-    return op.get_configs(*args, **kwargs)
+        return lookup_configs(bound)
+    return bound.heuristic_configs()
 
 
-__all__ = [
+class _Package(_types.ModuleType):
+    """This package's module type. Importing a submodule binds it as an attribute of the package;
+    here that never replaces a public name that is not a module: ``tokamax_torch.autotune`` is
+    the function even after ``import tokamax_torch.autotune`` (the command line's module)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        current = self.__dict__.get(name)
+        if isinstance(value, _types.ModuleType) and current is not None and not isinstance(current, _types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
+
+__all__ = sorted([
     "AutotuningResult",
+    "BoundArguments",
     "autotune",
     "cached_bytes",
     "config",
     "device_kind",
-    "dot_product_attention",
     "empty_cache",
     "get_configs",
     "ops",
-    "ragged_dot",
-]
+    *_registry.families(),
+])

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from tokamax_torch import _registry
 from tokamax_torch.autotuning.cache import ConfigCache, canonical_key
 
 
@@ -34,30 +35,40 @@ def _metadata() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def _family_op(op):
-    if not hasattr(op, "family") or not hasattr(op, "cache_key"):
-        raise TypeError(f"autotuning: expected a tokamax_torch op singleton such as tokamax_torch.ragged_dot, got {op!r}")
-    return op
+def bind_call(op, args: tuple, kwargs: dict):
+    """`op` bound to the call's arguments; `op` may already be a BoundArguments (then with no
+    arguments)."""
+    from tokamax_torch._op import BoundArguments, Op
+
+    if isinstance(op, BoundArguments):
+        if args or kwargs:
+            raise TypeError("autotuning: BoundArguments already hold the call's arguments; pass no others, got "
+                            f"{len(args)} positional and {sorted(kwargs)} keyword arguments")
+        return op
+    if not isinstance(op, Op):
+        raise TypeError("autotuning: expected a tokamax_torch op singleton such as tokamax_torch.ragged_dot, "
+                        f"got {op!r}")
+    return op.bind(*args, **kwargs)
 
 
 def lookup_configs(op, *args, **kwargs):
     """(fwd, bwd) from the cache for these arguments, each product falling back to its heuristic
-    on a miss; a miss warns or raises as ``tokamax_torch.config.autotuning_cache_miss`` says."""
+    on a miss; a miss warns or raises as ``tokamax_torch.config.autotuning_cache_miss`` says.
+    `op` may be a BoundArguments instead of an op and its arguments."""
     from tokamax_torch._settings import config as settings
 
-    op = _family_op(op)
-    heuristic = op.get_configs(*args, **kwargs)
+    bound = bind_call(op, args, kwargs)
+    op = bound.op
     if not op.tunable:
-        return heuristic
-    heuristics = op.split_configs(heuristic)
+        return None, None
     cache = ConfigCache(op.family, _device_kind(), op.config_cls)
     chosen, missed = {}, []
     for product in op.products:
-        key = op.cache_key(*args, product=product, **kwargs)
+        key = bound.cache_key(product)
         hit = cache.lookup(key)
         if hit is None:
             missed.append(canonical_key(key))
-        chosen[product] = hit if hit is not None else heuristics[product]
+        chosen[product] = hit if hit is not None else bound.heuristic_config(product)
     if missed and settings.autotuning_cache_miss != "heuristics":
         message = (f"tokamax_torch: no autotuned {op.family} config for {len(missed)} of "
                    f"{len(op.products)} products on {cache.device_kind}; keys: {missed}")
@@ -65,11 +76,6 @@ def lookup_configs(op, *args, **kwargs):
             raise LookupError(message)
         warnings.warn(message + "; using heuristic configs", RuntimeWarning, stacklevel=3)
     return op.assemble_configs(chosen)
-
-
-def _space_kwargs(kwargs: dict) -> dict:
-    """The call arguments a config space depends on: all but the configs themselves."""
-    return {k: v for k, v in kwargs.items() if k != "configs"}
 
 
 @dataclasses.dataclass
@@ -97,10 +103,7 @@ class AutotuningResult:
     @property
     def configs(self):
         """The best (fwd, bwd) pair, ready for ``configs=``."""
-        import tokamax_torch.ops
-
-        op = getattr(tokamax_torch.ops, self.op).kernel
-        return op.assemble_configs({p.product: p.best for p in self.products})
+        return _registry.family(self.op).kernel.assemble_configs({p.product: p.best for p in self.products})
 
     def __str__(self) -> str:
         lines = [f"autotuning {self.op} on {self.device_kind}",
@@ -127,10 +130,8 @@ class AutotuningResult:
 
     @classmethod
     def loads(cls, text: str) -> "AutotuningResult":
-        import tokamax_torch.ops
-
         data = json.loads(text)
-        config_cls = getattr(tokamax_torch.ops, data["op"]).kernel.config_cls
+        config_cls = _registry.family(data["op"]).kernel.config_cls
         products = []
         for p in data["products"]:
             results = [{"config": config_cls(**r["config"]), "median_ms": float(r["median_ms"]),
@@ -159,23 +160,24 @@ def autotune(op, *args, products=None, warmup: int = 1, reps: int = 5, budget_s:
              **kwargs) -> AutotuningResult:
     """Times the heuristic config and the search space of `op` for these arguments.
 
-    products: which of ``op.products`` to tune (default all: the forward call and each gradient
-    product). Candidates are the op's ``config_space`` (already pruned by the C++ Validate()),
-    heuristic first. budget_s: a wall-clock budget for the whole run, split evenly between the
-    products; once a product's share is spent its remaining candidates are skipped (its
-    heuristic is always timed). Results are merged into the user
+    `op` is an op singleton followed by its call's arguments, or a BoundArguments
+    (``op.bind(...)``) alone. products: which of ``op.products`` to tune (default all: the
+    forward call and each gradient product). Candidates are the op's ``config_space`` (already
+    pruned by the C++ Validate()), heuristic first. budget_s: a wall-clock budget for the whole
+    run, split evenly between the products; once a product's share is spent its remaining
+    candidates are skipped (its heuristic is always timed). Results are merged into the user
     cache unless write_cache=False. Meta tensors are allowed: inputs of their shapes are made.
     """
-    op = _family_op(op)
+    bound = bind_call(op, args, kwargs)
+    op = bound.op
     if not op.tunable:
         raise ValueError(f"autotuning: {op!r} has no configs to tune")
     if reps < 1 or warmup < 0:
         raise ValueError(f"autotuning: reps must be >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
     products = list(products or op.products)
     for p in products:
-        if p not in op.products:
-            raise ValueError(f"autotuning: product must be one of {list(op.products)}, got {p!r}")
-    candidates = {p: op.config_space(*args, product=p, **_space_kwargs(kwargs)) for p in products}
+        op.product(p)  # ValueError naming the products for an unknown one
+    candidates = {p: bound.config_space(p) for p in products}
     if max_configs is not None:
         candidates = {p: c[:max(1, max_configs)] for p, c in candidates.items()}
     total = sum(len(c) for c in candidates.values())
@@ -187,7 +189,7 @@ def autotune(op, *args, products=None, warmup: int = 1, reps: int = 5, budget_s:
     measured = []
     try:
         for product in products:
-            run = op.autotuning_runner(*args, product=product, **kwargs)
+            run = bound.autotuning_runner(product)
             deadline = None if budget_s is None else time.monotonic() + budget_s / len(products)
             results = []
             for i, config in enumerate(candidates[product]):
@@ -197,8 +199,8 @@ def autotune(op, *args, products=None, warmup: int = 1, reps: int = 5, budget_s:
                 if bar is not None:
                     bar.update(1)
             results.sort(key=lambda r: r["median_ms"])
-            measured.append(ProductResult(product, op.cache_key(*args, product=product, **kwargs),
-                                          candidates[product][0], results[0]["config"], results))
+            measured.append(ProductResult(product, bound.cache_key(product), candidates[product][0],
+                                          results[0]["config"], results))
     finally:
         if bar is not None:
             bar.close()

@@ -14,6 +14,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from tokamax_torch import _op
 from tokamax_torch import configs as _configs
 
 
@@ -98,13 +99,21 @@ def _dtype(preferred_element_type: DTypeLike) -> Optional[torch.dtype]:
     )
 
 
-class _RaggedDot(_configs.OpSingleton):
+class _RaggedDot(_op.Op):
     """A ragged_dot implementation; ``reference`` and ``kernel`` share this signature."""
 
     family = "ragged_dot"
-    #: Products an autotuner tunes separately: the call itself and its two gradient products.
-    product_ids = PRODUCTS
+    #: The forward call and its two gradient products, each tuned on its own.
+    product_specs = _op.declared_products(PRODUCTS, wrt={"dlhs": ("lhs",), "drhs": ("rhs",)})
     config_cls = Config
+    backward_config_cls = BackwardConfig
+    summary = (
+        "Forward and both gradients (higher derivatives too). CPU kernel with `scalar`, `avx2` and `avx512` ISA "
+        "tiers; bf16 products run on the AVX512-BF16 dot instruction on the `avx512bf16` tier (Zen 4: 0.9-1.2x the "
+        "fastest PyTorch bf16 path forward, 0.8-1.5x forward+backward) and on the AMX tile unit on the `amx` tier "
+        "(1.0-1.5x PyTorch's bf16, docs/benchmarks.md). `torch.compile` (fullgraph, dynamic shapes) and "
+        "`torch.export`. Configs through `get_configs` and `config_space`.")
+    cli_shape = "M,K,N,G"
 
     def __call__(
         self,
@@ -127,114 +136,65 @@ class _RaggedDot(_configs.OpSingleton):
             _configs.config_to_list(bwd),
         )
 
-    def get_configs(
-        self,
-        lhs: torch.Tensor,
-        rhs: torch.Tensor,
-        group_sizes: torch.Tensor,
-        *,
-        ragged_dot_dimension_numbers: DimensionNumbersLike = None,
-        preferred_element_type: DTypeLike = None,
-        configs=None,
-    ) -> tuple[Optional[Config], Optional[BackwardConfig]]:
-        """The heuristic (fwd, bwd) configs: exactly what a call with configs=None uses.
+    def canonicalize(self, arguments: dict) -> dict:
+        """Dimension numbers flat (DEFAULT for None), the output dtype a torch.dtype, and group
+        sizes given as a Python sequence (representative sizes) a tuple of ints."""
+        sizes = arguments["group_sizes"]
+        if not isinstance(sizes, torch.Tensor):
+            arguments["group_sizes"] = tuple(int(v) for v in sizes)
+        arguments["ragged_dot_dimension_numbers"] = tuple(
+            _flat_dimension_numbers(arguments["ragged_dot_dimension_numbers"]) or DEFAULT.flatten())
+        arguments["preferred_element_type"] = _dtype(arguments["preferred_element_type"])
+        return arguments
 
-        The reference has no configs and returns (None, None).
-        """
-        if not self.tunable:
-            return None, None
-        args = _config_op_args(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, preferred_element_type)
-        heuristic = torch.ops.tokamax._ragged_dot_heuristic_config
-        return Config(*heuristic(*args, PRODUCTS["forward"])), BackwardConfig(
-            Config(*heuristic(*args, PRODUCTS["dlhs"])), Config(*heuristic(*args, PRODUCTS["drhs"]))
-        )
+    def config_op_arguments(self, bound) -> tuple:
+        lhs = bound["lhs"]
+        return (lhs, bound["rhs"], _group_sizes_tensor(bound["group_sizes"], lhs.device),
+                list(bound["ragged_dot_dimension_numbers"]), bound["preferred_element_type"])
 
-    def config_space(self, lhs, rhs, group_sizes, *, product: str = "forward", **kwargs) -> list[Config]:
-        """Autotuning candidates, heuristic first, for the forward call or one gradient product."""
-        product_id = self._check_product(product)
-        flat = torch.ops.tokamax._ragged_dot_config_space(
-            *_config_op_args(lhs, rhs, group_sizes, kwargs.get("ragged_dot_dimension_numbers"),
-                             kwargs.get("preferred_element_type")),
-            product_id,
-        )
-        return self._configs_from_flat(flat)
+    def cache_key_arguments(self, bound) -> dict:
+        """Group sizes appear as their values when given as a Python sequence (representative
+        sizes), else by shape and dtype only."""
+        arguments = dict(bound.arguments)
+        if not isinstance(arguments["group_sizes"], torch.Tensor):
+            arguments["group_sizes"] = {"values": list(arguments["group_sizes"])}
+        return arguments
 
+    def real_argument(self, bound, name, value, generator):
+        """Group sizes given by shape only become an even split of the rows."""
+        if name != "group_sizes":
+            return super().real_argument(bound, name, value, generator)
+        if not isinstance(value, torch.Tensor):
+            return _group_sizes_tensor(value)
+        if value.device.type != "meta":
+            return value
+        g, m = value.shape[0], bound["lhs"].shape[0]
+        return torch.full((g,), m // g if g else 0, dtype=value.dtype)
 
-    def assemble_configs(self, per_product: dict) -> tuple[Config, BackwardConfig]:
-        """(fwd, bwd) from one Config per product."""
-        return per_product["forward"], BackwardConfig(per_product["dlhs"], per_product["drhs"])
+    def add_cli_arguments(self, parser) -> None:
+        parser.add_argument("--form", default="default", choices=list(_FORMS),
+                            help="the dimension numbers (default: lhs[M,K] rhs[G,K,N])")
+        parser.add_argument("--group-sizes", default=None, help="representative group sizes, comma separated")
 
-    def split_configs(self, configs: tuple[Config, BackwardConfig]) -> dict:
-        """The inverse of assemble_configs."""
-        fwd, bwd = configs
-        return {"forward": fwd, "dlhs": bwd.dlhs, "drhs": bwd.drhs}
-
-    def cache_key(self, lhs, rhs, group_sizes, *, ragged_dot_dimension_numbers=None,
-                  preferred_element_type=None, configs=None, product: str = "forward") -> dict:
-        """The canonical argument spec an autotuning cache entry is stored under.
-
-        Shapes and dtypes of the tensors, the dimension numbers (flat, DEFAULT when None), the
-        output dtype and the product. Group sizes appear as their list of values when the caller
-        passes representative sizes as a Python sequence, else by shape and dtype only.
-        """
-        self._check_product(product)
-        out_dtype = _dtype(preferred_element_type)
-        if isinstance(group_sizes, torch.Tensor):
-            sizes = _configs.tensor_spec(group_sizes)
+    def cli_call(self, shape: str, dtype: torch.dtype, options):
+        try:
+            m, k, n, g = (int(v) for v in shape.split(","))
+        except ValueError:
+            raise ValueError(f"--shape must be M,K,N,G (four ints), got {shape!r}") from None
+        meta = dict(device="meta", dtype=dtype)
+        rhs = {"default": (g, k, n), "trans_rhs": (g, n, k), "ragged_contracting": (m, n)}[options.form]
+        if options.group_sizes:
+            try:
+                sizes = [int(v) for v in options.group_sizes.split(",")]
+            except ValueError:
+                raise ValueError(f"--group-sizes must be ints, comma separated, got {options.group_sizes!r}") from None
         else:
-            sizes = {"values": [int(v) for v in group_sizes]}
-        return {
-            "lhs": _configs.tensor_spec(lhs),
-            "rhs": _configs.tensor_spec(rhs),
-            "group_sizes": sizes,
-            "ragged_dot_dimension_numbers": _flat_dimension_numbers(ragged_dot_dimension_numbers)
-            or DEFAULT.flatten(),
-            "preferred_element_type": None if out_dtype is None else str(out_dtype).removeprefix("torch."),
-            "product": product,
-        }
-
-    def autotuning_runner(self, lhs, rhs, group_sizes, *, product: str, ragged_dot_dimension_numbers=None,
-                          preferred_element_type=None, configs=None, seed: int = 0):
-        """A function (config -> None) that runs `product` once with that config.
-
-        Meta tensors are replaced by random ones of the same shape; group sizes given by shape
-        only become an even split. The gradient products run alone through autograd (only the
-        input whose gradient is asked for is computed).
-        """
-        generator = torch.Generator().manual_seed(seed)
-
-        def real(t):
-            if t.device.type != "meta":
-                return t.detach()
-            return torch.randn(t.shape, generator=generator, dtype=torch.float32).to(t.dtype)
-
-        lhs, rhs = real(lhs), real(rhs)
-        if isinstance(group_sizes, torch.Tensor) and group_sizes.device.type != "meta":
-            sizes = group_sizes
-        elif isinstance(group_sizes, torch.Tensor):
-            g, m = group_sizes.shape[0], lhs.shape[0]
-            sizes = torch.full((g,), m // g if g else 0, dtype=group_sizes.dtype)
-        else:
-            sizes = _group_sizes_tensor(group_sizes)
-        kwargs = dict(ragged_dot_dimension_numbers=ragged_dot_dimension_numbers,
-                      preferred_element_type=preferred_element_type)
-        if product == "forward":
-            def run(config):
-                with torch.no_grad():
-                    self(lhs, rhs, sizes, configs=(config, None), **kwargs)
-            return run
-        wrt = lhs.requires_grad_(True) if product == "dlhs" else rhs.requires_grad_(True)
-
-        def run(config):
-            out = self(lhs, rhs, sizes, configs=(None, config), **kwargs)
-            torch.autograd.grad(out, wrt, torch.ones_like(out))
-        return run
+            sizes = torch.empty(g, device="meta", dtype=torch.int32)
+        return self.bind(torch.empty(m, k, **meta), torch.empty(*rhs, **meta), sizes,
+                         ragged_dot_dimension_numbers=_FORMS[options.form])
 
 
-def _config_op_args(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type):
-    """The leading arguments of the _ragged_dot_heuristic_config / _config_space ops."""
-    return (lhs, rhs, _group_sizes_tensor(group_sizes, lhs.device), _flat_dimension_numbers(dimension_numbers),
-            _dtype(preferred_element_type))
+_FORMS = {"default": DEFAULT, "trans_rhs": TRANS_RHS, "ragged_contracting": RAGGED_CONTRACTING}
 
 
 def _group_sizes_tensor(group_sizes, device=None):
