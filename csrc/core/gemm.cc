@@ -1,13 +1,14 @@
 // The GEMM driver: cache blocking and the loops around the per-ISA micro-kernels.
 #include "csrc/core/gemm.h"
 
-
 #include <algorithm>
 #include <cstdlib>
 #include <new>
 #include <cstring>
 #include <memory>
 #include <vector>
+
+#include "csrc/core/int_math.h"
 
 namespace tokamax {
 
@@ -44,8 +45,6 @@ const GemmKernels& GetGemmKernels(Isa isa) {
 }
 
 namespace {
-
-int64_t RoundUp(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 // A grow-only, 64-byte aligned float buffer. Contents are never read before being written.
 class ScratchBuffer {

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "csrc/core/dtype.h"
+#include "csrc/core/int_math.h"
 #include "csrc/core/isa.h"
 
 namespace tokamax {

@@ -23,6 +23,7 @@
 
 #include "csrc/core/bf16_gemm.h"
 #include "csrc/core/gemm.h"
+#include "csrc/core/int_math.h"
 #include "csrc/core/isa.h"
 #include "csrc/core/large_buffer.h"
 #include "csrc/core/parallel.h"
@@ -33,9 +34,6 @@ namespace tokamax {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
 
 // A row stride, in floats, of at least `floats` and an odd number of 64-byte lines, for the
 // [key][row] logits tiles that P·V and dQ = dS·K read in place as A, one key's rows per depth
@@ -64,20 +62,6 @@ Dims DimsOf(const DotProductAttentionParams& p) {
   return d;
 }
 
-const void* ElementAddress(const Tensor4View& view, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
-  const int64_t offset = i0 * view.strides[0] + i1 * view.strides[1] + i2 * view.strides[2] + i3 * view.strides[3];
-  return static_cast<const char*>(view.data) + offset * DTypeSize(view.dtype);
-}
-
-Tensor4View AsConst(const MutableTensor4View& view) {
-  Tensor4View result;
-  result.data = view.data;
-  result.dtype = view.dtype;
-  std::copy(view.sizes, view.sizes + 4, result.sizes);
-  std::copy(view.strides, view.strides + 4, result.strides);
-  return result;
-}
-
 // The tile of one task, rows (block_q x group) by block_kv keys, must fit the scratch bound.
 Status CheckTile(const DotProductAttentionConfig& config, int64_t group) {
   constexpr int64_t kMaxTileFloats = int64_t{1} << 24;  // 64 MiB of fp32 logits
@@ -91,7 +75,7 @@ Status CheckTile(const DotProductAttentionConfig& config, int64_t group) {
 
 // view[i0, i1, i2, e] = scale * values[e] for e < count, converted to the view's dtype (one
 // dtype dispatch per row, not per element).
-void StoreRow(const MutableTensor4View& view, int64_t i0, int64_t i1, int64_t i2, const float* values,
+void StoreRow(const MutableStridedView<4>& view, int64_t i0, int64_t i1, int64_t i2, const float* values,
               int64_t count, float scale) {
   DispatchDType(view.dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -130,13 +114,13 @@ struct TaskRows {
 // dst[r * ld + h] = scale · X[row r][h] for h < cols, zero for cols <= h < ld: the task's rows
 // of X (q, dout or out, gathered per TaskRows) as contiguous fp32 rows. Transposed by
 // SoftmaxKernels::transpose_panels, they are the GEMMs' B operand Xᵀ; read in place, X itself.
-void GatherRows(const SoftmaxKernels& kernels, const Tensor4View& x, const TaskRows& rows, int64_t cols, float scale,
+void GatherRows(const SoftmaxKernels& kernels, const StridedView<4>& x, const TaskRows& rows, int64_t cols, float scale,
                 float* dst, int64_t ld) {
   DispatchDType(x.dtype, [&](auto tag) {
     using T = decltype(tag);
     const int64_t step = x.strides[3];
     for (int64_t r = 0; r < rows.count(); ++r) {
-      const T* src = static_cast<const T*>(ElementAddress(x, rows.b, rows.t(r), rows.n(r), 0));
+      const T* src = static_cast<const T*>(x.At(rows.b, rows.t(r), rows.n(r), 0));
       float* out = dst + r * ld;
       if (step == 1) {
         kernels.widen_row(x.dtype, src, cols, scale, out);
@@ -150,9 +134,9 @@ void GatherRows(const SoftmaxKernels& kernels, const Tensor4View& x, const TaskR
 }
 
 // The task's rows of a bf16 X as they are, row r at dst + r * ld (the bf16 row products' query).
-void GatherRowsBf16(const Tensor4View& x, const TaskRows& rows, uint16_t* dst, int64_t ld) {
+void GatherRowsBf16(const StridedView<4>& x, const TaskRows& rows, uint16_t* dst, int64_t ld) {
   for (int64_t r = 0; r < rows.count(); ++r) {
-    const uint16_t* src = static_cast<const uint16_t*>(ElementAddress(x, rows.b, rows.t(r), rows.n(r), 0));
+    const uint16_t* src = static_cast<const uint16_t*>(x.At(rows.b, rows.t(r), rows.n(r), 0));
     CopyBf16(src, 0, x.strides[3], 1, x.sizes[3], /*transpose=*/false, dst + r * ld, ld);
   }
 }
@@ -160,21 +144,21 @@ void GatherRowsBf16(const Tensor4View& x, const TaskRows& rows, uint16_t* dst, i
 // B(h, r) = X[row r][h] for the task's rows of a bf16 X (q or dout), zero for count <= r <
 // cols: X's rows transposed into the VNNI panels of bf16_gemm.h, depth X's head dim (even). Each
 // 16 rows are gathered contiguous (read whole, once), then transposed as 32-bit pairs; exact.
-void PackRowsVnni(const Tensor4View& x, const TaskRows& rows, int64_t cols, uint16_t* dst) {
+void PackRowsVnni(const StridedView<4>& x, const TaskRows& rows, int64_t cols, uint16_t* dst) {
   const int64_t depth = x.sizes[3];
   for (int64_t r0 = 0; r0 < cols; r0 += kBf16TileRows) {
     const uint16_t* vectors[kBf16TileRows] = {};
     for (int64_t j = 0; j < kBf16TileRows && r0 + j < rows.count(); ++j) {
       const int64_t r = r0 + j;
-      vectors[j] = static_cast<const uint16_t*>(ElementAddress(x, rows.b, rows.t(r), rows.n(r), 0));
+      vectors[j] = static_cast<const uint16_t*>(x.At(rows.b, rows.t(r), rows.n(r), 0));
     }
     PackVnniFromBf16Vectors(vectors, x.strides[3], depth, depth, dst + r0 * depth);
   }
 }
 
 // The [S, C] matrix of kv head `kv_head` of batch b (key or value) as a GEMM operand.
-ConstMatrix KvMatrix(const Tensor4View& x, int64_t b, int64_t kv_head, int64_t s0, int64_t rows) {
-  return {ElementAddress(x, b, s0, kv_head, 0), x.dtype, rows, x.sizes[3], x.strides[1], x.strides[3]};
+ConstMatrix KvMatrix(const StridedView<4>& x, int64_t b, int64_t kv_head, int64_t s0, int64_t rows) {
+  return {x.At(b, s0, kv_head, 0), x.dtype, rows, x.sizes[3], x.strides[1], x.strides[3]};
 }
 
 // A TileGemm operand: mr-row panels of A or nr-wide panels of B; depth step p of panel i is
@@ -205,7 +189,7 @@ void TileGemm(const GemmKernels& kernels, int64_t depth, const Panels& a, int64_
 // fp32 copy of K or V (O(S), never T·S). Otherwise Tile() packs the tile it is asked for.
 class KvTiles {
  public:
-  KvTiles(const GemmKernels& gemm, const Tensor4View& x, int64_t block, bool as_a, bool pack_all)
+  KvTiles(const GemmKernels& gemm, const StridedView<4>& x, int64_t block, bool as_a, bool pack_all)
       : gemm_(gemm), x_(x), block_(block), as_a_(as_a) {
     const int64_t batch = x.sizes[0], kv_len = x.sizes[1], kv_heads = x.sizes[2], cols = x.sizes[3];
     tiles_per_head_ = CeilDiv(kv_len, block);
@@ -249,7 +233,7 @@ class KvTiles {
   }
 
   const GemmKernels& gemm_;
-  Tensor4View x_;
+  StridedView<4> x_;
   int64_t block_, tiles_per_head_ = 0, tile_floats_ = 0;
   bool as_a_;
   LargeBuffer<float> data_;  // empty unless pack_all
@@ -274,7 +258,7 @@ Panels PackedB(const float* x, int64_t depth, int64_t nr) { return {x, nr, depth
 class Bf16Operand {
  public:
   enum Layout { kRows, kTransposed };
-  Bf16Operand(const Tensor4View& x, Layout layout) : x_(x), layout_(layout) {
+  Bf16Operand(const StridedView<4>& x, Layout layout) : x_(x), layout_(layout) {
     const int64_t batch = x.sizes[0], kv_len = x.sizes[1], kv_heads = x.sizes[2], width = x.sizes[3];
     rows_ = RoundUp(kv_len + kBf16TileRows, kBf16TileRows);
     ld_ = layout == kRows ? width : rows_ + 2 * kBf16TileRows;
@@ -296,7 +280,7 @@ class Bf16Operand {
   void Pack(int64_t b, int64_t kv_head, int64_t head) const {
     const int64_t kv_len = x_.sizes[1], width = x_.sizes[3];
     uint16_t* dst = data_.data() + head * head_elements_;
-    const uint16_t* src = static_cast<const uint16_t*>(ElementAddress(x_, b, 0, kv_head, 0));
+    const uint16_t* src = static_cast<const uint16_t*>(x_.At(b, 0, kv_head, 0));
     CopyBf16(src, x_.strides[1], x_.strides[3], kv_len, width, layout_ == kTransposed, dst, ld_);
     if (layout_ == kRows) {
       std::fill(dst + kv_len * ld_, dst + head_elements_, uint16_t{0});
@@ -305,7 +289,7 @@ class Bf16Operand {
     for (int64_t c = 0; c < width; ++c) std::fill(dst + c * ld_ + kv_len, dst + (c + 1) * ld_, uint16_t{0});
   }
 
-  Tensor4View x_;
+  StridedView<4> x_;
   Layout layout_;
   int64_t rows_ = 0, ld_ = 0, head_elements_ = 0;
   LargeBuffer<uint16_t> data_;
@@ -523,11 +507,11 @@ constexpr int64_t kRowRunKeys = 16;
 // process): bf16 1.07 -> 0.55 ms, fp32 1.30 -> 1.04 ms; into L1 both were slower.
 // Always inlined: as a call, GCC's IPA finds the function free of side effects (a prefetch has
 // none it models) and deletes every call to it.
-[[gnu::always_inline]] inline void PrefetchRowsToL2(const Tensor4View& x, int64_t b, int64_t first, int64_t last,
+[[gnu::always_inline]] inline void PrefetchRowsToL2(const StridedView<4>& x, int64_t b, int64_t first, int64_t last,
                                                     int64_t h) {
   const int64_t bytes = x.sizes[3] * DTypeSize(x.dtype);
   for (int64_t r = first; r < last; ++r) {
-    const char* row = static_cast<const char*>(ElementAddress(x, b, r, h, 0));
+    const char* row = static_cast<const char*>(x.At(b, r, h, 0));
     for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(row + offset, 0, 2);
   }
 }
@@ -601,14 +585,14 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
     // (heads outer), else `then`'s first run from key then_s0 (V's after K's; after V's, the next
     // tile's K). The products prefetch them as they go, one request beside each vector they
     // load, when they have the run's shape; otherwise they are prefetched here at once.
-    auto for_runs = [&](const Tensor4View& x, const Tensor4View& then, int64_t then_s0, int64_t then_end,
+    auto for_runs = [&](const StridedView<4>& x, const StridedView<4>& then, int64_t then_s0, int64_t then_end,
                         auto&& run) {
       const bool heads_outer = x.strides[2] > x.strides[1];
       const int64_t runs = CeilDiv(keys, kRowRunKeys);
       auto visit = [&](int64_t h, int64_t run_index) {
         const int64_t j0 = run_index * kRowRunKeys;
         const int64_t n = std::min(kRowRunKeys, keys - j0);
-        const Tensor4View* nx = &x;
+        const StridedView<4>* nx = &x;
         int64_t next_h = h, next = s0 + j0 + kRowRunKeys, next_end = s0 + keys;
         if (run_index + 1 == runs) {
           if (heads_outer && h + 1 < d.kv_heads) {
@@ -626,7 +610,7 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
                             nx->sizes[3] == x.sizes[3];
         const void* next_rows = nullptr;
         if (spread) {
-          next_rows = ElementAddress(*nx, rows.b, next, next_h, 0);
+          next_rows = nx->At(rows.b, next, next_h, 0);
         } else if (next < next_end) {
           PrefetchRowsToL2(*nx, rows.b, next, next_end, next_h);
         }
@@ -643,7 +627,7 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
       }
     };
     for_runs(p.k, p.v, s0, s0 + keys, [&](int64_t h, int64_t r0, int64_t j0, int64_t n, const void* next) {
-      const void* key = ElementAddress(p.k, rows.b, s0 + j0, h, 0);
+      const void* key = p.k.At(rows.b, s0 + j0, h, 0);
       if (bf16_rows) {
         k.softmax->key_dots_bf16(static_cast<const uint16_t*>(key), p.k.strides[1], n, head_dim,
                                  q_bf16 + r0 * head_dim, head_dim, d.group, p.scale, st + j0 * cols + r0, cols,
@@ -658,7 +642,7 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
     k.softmax->exp_columns(st, keys, cols, cols, sub, sum);
     k.softmax->scale_rows(acc, value_dim, count, value_dim, alpha);
     for_runs(p.v, p.k, s0 + block, kv_end, [&](int64_t h, int64_t r0, int64_t j0, int64_t n, const void* next) {
-      const void* value = ElementAddress(p.v, rows.b, s0 + j0, h, 0);
+      const void* value = p.v.At(rows.b, s0 + j0, h, 0);
       if (bf16_rows) {
         k.softmax->accumulate_values_bf16(st + j0 * cols + r0, cols, n, d.group, static_cast<const uint16_t*>(value),
                                           p.v.strides[1], value_dim, acc + r0 * value_dim, value_dim,
@@ -822,7 +806,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
                   const Bf16BackwardOperands* bf16_ops, BackwardScratch& s) {
   const DotProductAttentionParams& p = g.forward;
   const bool bf16 = bf16_ops != nullptr;
-  const Tensor4View out = AsConst(p.out);
+  const StridedView<4> out = p.out.AsConst();
   const GemmKernels& gemm = *k.gemm;
   const int64_t mr = gemm.mr, nr = gemm.nr;
   const int64_t block = config.block_kv;
