@@ -5,13 +5,12 @@
 #include <set>
 #include <string>
 
+#include "csrc/core/int_math.h"
 #include "csrc/core/softmax_kernels.h"
 #include "csrc/ops/dot_product_attention/dot_product_attention.h"
 
 namespace tokamax {
 namespace {
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 constexpr int64_t kMaxBlockQ = 4096;
 constexpr int64_t kMaxBlockKv = 8192;
