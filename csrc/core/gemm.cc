@@ -1,13 +1,16 @@
 // The GEMM driver: cache blocking and the loops around the per-ISA micro-kernels.
 #include "csrc/core/gemm.h"
 
-
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <new>
 #include <cstring>
 #include <memory>
 #include <vector>
+
+#include "csrc/core/int_math.h"
 
 namespace tokamax {
 
@@ -44,8 +47,6 @@ const GemmKernels& GetGemmKernels(Isa isa) {
 }
 
 namespace {
-
-int64_t RoundUp(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 // A grow-only, 64-byte aligned float buffer. Contents are never read before being written.
 class ScratchBuffer {
@@ -100,9 +101,15 @@ void MicroInPlace(const GemmKernels& kernels, const ConstMatrix& b, int64_t dept
   }
 }
 
+// A GemmEpilogue's elementwise part in double (the float64 path).
+double Epilogue(const GemmEpilogue& e, double x, int64_t col) {
+  x = e.scale * x + (e.bias != nullptr ? e.bias[col] : 0.0);
+  return Activate(e.activation, x);
+}
+
 // float64 (A, B and C): exact double-precision loops, for gradcheck and oracles.
 void GemmRegionFloat64(const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c, int64_t m0,
-                       int64_t m1, int64_t n0, int64_t n1) {
+                       int64_t m1, int64_t n0, int64_t n1, const GemmEpilogue* epilogue) {
   const double* a_data = static_cast<const double*>(a.data);
   const double* b_data = static_cast<const double*>(b.data);
   double* c_data = static_cast<double*>(c.data);
@@ -112,7 +119,22 @@ void GemmRegionFloat64(const ConstMatrix& a, const ConstMatrix& b, const Mutable
       for (int64_t p = 0; p < a.cols; ++p) {
         sum += a_data[i * a.row_stride + p * a.col_stride] * b_data[p * b.row_stride + j * b.col_stride];
       }
-      c_data[i * c.row_stride + j * c.col_stride] = sum;
+      const int64_t c_row = epilogue != nullptr && epilogue->row_map != nullptr ? epilogue->row_map[i] : i;
+      c_data[c_row * c.row_stride + j * c.col_stride] = epilogue != nullptr ? Epilogue(*epilogue, sum, j) : sum;
+    }
+    if (epilogue != nullptr && epilogue->row_max != nullptr) {
+      const int64_t c_row = epilogue->row_map != nullptr ? epilogue->row_map[i] : i;
+      float* max = epilogue->row_max + i;
+      float* row_sum = epilogue->row_sum + i;
+      double block_max = -std::numeric_limits<double>::infinity();
+      const double* row = c_data + c_row * c.row_stride;
+      for (int64_t j = n0; j < n1; ++j) block_max = std::max(block_max, row[j * c.col_stride]);
+      const double new_max = std::max<double>(*max, block_max);
+      if (new_max == -std::numeric_limits<double>::infinity()) continue;
+      double total = *max == new_max ? *row_sum : *row_sum * std::exp(*max - new_max);
+      for (int64_t j = n0; j < n1; ++j) total += std::exp(row[j * c.col_stride] - new_max);
+      *max = static_cast<float>(new_max);
+      *row_sum = static_cast<float>(total);
     }
   }
 }
@@ -164,7 +186,8 @@ void PackBVnni(const ConstMatrix& b, int64_t k0, int64_t depth, int64_t padded_d
 // slices, block_m rows), bf16 operands instead of fp32 panels, fp32 accumulation in the tile
 // buffer, converted into C by the tier's store_c.
 void GemmRegionBf16(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c,
-                    int64_t m0, int64_t m1, int64_t n0, int64_t n1, const GemmBlocking& blocking) {
+                    int64_t m0, int64_t m1, int64_t n0, int64_t n1, const GemmBlocking& blocking,
+                    const GemmEpilogue* epilogue) {
   GemmScratch& scratch = ThreadScratch();
   const Bf16ProductScope scope(kernels.bf16);
   const int64_t depth_total = a.cols;
@@ -191,7 +214,11 @@ void GemmRegionBf16(const GemmKernels& kernels, const ConstMatrix& a, const Cons
                     acc + (ic - m0) * cols_padded, cols_padded, pc > 0, 1.0f);
       }
     }
-    kernels.store_c(acc, cols_padded, rows, cols, c, m0, jc);
+    if (epilogue != nullptr) {
+      kernels.store_c_epilogue(acc, cols_padded, rows, cols, c, m0, jc, *epilogue);
+    } else {
+      kernels.store_c(acc, cols_padded, rows, cols, c, m0, jc);
+    }
   }
 }
 
@@ -199,10 +226,10 @@ void GemmRegionBf16(const GemmKernels& kernels, const ConstMatrix& a, const Cons
 
 void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b,
                 const MutableMatrix& c, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
-                const GemmBlocking& blocking) {
+                const GemmBlocking& blocking, const GemmEpilogue* epilogue) {
   if (m1 <= m0 || n1 <= n0) return;
   if (a.dtype == DType::kFloat64) {
-    GemmRegionFloat64(a, b, c, m0, m1, n0, n1);
+    GemmRegionFloat64(a, b, c, m0, m1, n0, n1, epilogue);
     return;
   }
   // The bf16 engine needs B packed into VNNI panels and pads the rows to whole 16-row tiles.
@@ -214,7 +241,7 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
   const bool b_read_in_place = !blocking.pack_b && b.col_stride == 1;
   const bool few_rows_in_place = b_read_in_place && m1 - m0 < kBf16TileRows;
   if (kernels.bf16 && a.dtype == DType::kBFloat16 && b.dtype == DType::kBFloat16 && !few_rows_in_place) {
-    GemmRegionBf16(kernels, a, b, c, m0, m1, n0, n1, blocking);
+    GemmRegionBf16(kernels, a, b, c, m0, m1, n0, n1, blocking, epilogue);
     return;
   }
   GemmScratch& scratch = ThreadScratch();
@@ -274,7 +301,11 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
         }
       }
     }
-    kernels.store_c(acc, cols_padded, rows, cols, c, m0, jc);
+    if (epilogue != nullptr) {
+      kernels.store_c_epilogue(acc, cols_padded, rows, cols, c, m0, jc, *epilogue);
+    } else {
+      kernels.store_c(acc, cols_padded, rows, cols, c, m0, jc);
+    }
   }
 }
 

@@ -1,7 +1,9 @@
 // The avx2 ISA tier (AVX2 + FMA + F16C): this file alone is built with -mavx2 -mfma -mf16c.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 
 #include "csrc/core/gemm.h"

@@ -2,7 +2,9 @@
 // A 12x32 tile: 24 zmm accumulators, 2 B vectors and 1 broadcast of the 32 zmm registers.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 
 #include "csrc/core/gemm.h"

@@ -1,5 +1,7 @@
 // The scalar ISA tier: portable C++ built without SIMD flags (also the aarch64 fallback).
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 
 #include "csrc/core/gemm.h"

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "csrc/core/dtype.h"
+#include "csrc/core/int_math.h"
 #include "csrc/core/isa.h"
 
 namespace tokamax {
@@ -69,5 +70,16 @@ struct SoftmaxKernels {
 constexpr int64_t kMaxRowDotRows = 8;
 
 const SoftmaxKernels& GetSoftmaxKernels(Isa isa);
+
+// The online softmax's step over one tile of logits x[r][c] (r < rows, ld floats apart) whose
+// columns are the softmax rows (attention keeps its logits transposed), before exponentiation:
+// max[c] becomes the running max over every tile so far; alpha[c] = exp(old max - new max)
+// (exactly 1 when the max is unchanged or either is -inf) rescales what was accumulated, and
+// sum[c] is rescaled here; sub[c] is what the tile's logits are shifted by before exp (0 for a
+// column that has seen only -inf, so masked rows stay exactly 0). tile_max is scratch. The
+// exponentiation (exp_columns) and the rescaling of the accumulator stay the caller's, which
+// fuses them with its next product. Start with max = -inf and sum = 0.
+void UpdateRunningMax(const SoftmaxKernels& kernels, const float* x, int64_t rows, int64_t ld, int64_t cols,
+                      float* max, float* sum, float* alpha, float* sub, float* tile_max);
 
 }  // namespace tokamax

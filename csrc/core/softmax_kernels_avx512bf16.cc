@@ -28,7 +28,7 @@ template <int64_t kRows, int64_t kKeys>
 [[gnu::always_inline]] inline void KeyDotsBf16Group(const uint16_t* key, int64_t ld_key, int64_t depth,
                                                     const uint16_t* q, int64_t ld_q, float scale, float* st,
                                                     int64_t ld_st, const uint16_t* next) {
-  constexpr int64_t kAccumulators = CeilDivLanes(kRows * kKeys) * kLanes;
+  constexpr int64_t kAccumulators = RoundUp(kRows * kKeys, kLanes);
   Vec acc[kAccumulators];
 #pragma GCC unroll 16
   for (int64_t i = 0; i < kAccumulators; ++i) acc[i] = Set1(0.0f);

@@ -55,23 +55,23 @@ inline bool Visible(const AttentionMasks& m, int64_t b, int64_t n, int64_t t, in
 }
 
 // Element (i0, i1, i2, i3) of a 4-D view as float; any storage dtype.
-inline float LoadElement(const Tensor4View& view, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
-  const int64_t offset = i0 * view.strides[0] + i1 * view.strides[1] + i2 * view.strides[2] + i3 * view.strides[3];
+inline float LoadElement(const StridedView<4>& view, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+  const int64_t offset = view.Offset(i0, i1, i2, i3);
   return DispatchDType(view.dtype, [&](auto tag) {
     using T = decltype(tag);
     return LoadAsFloat(static_cast<const T*>(view.data) + offset);
   });
 }
 
-inline double LoadElementDouble(const Tensor4View& view, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+inline double LoadElementDouble(const StridedView<4>& view, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
   if (view.dtype != DType::kFloat64) return LoadElement(view, i0, i1, i2, i3);
-  const int64_t offset = i0 * view.strides[0] + i1 * view.strides[1] + i2 * view.strides[2] + i3 * view.strides[3];
+  const int64_t offset = view.Offset(i0, i1, i2, i3);
   return static_cast<const double*>(view.data)[offset];
 }
 
-inline void StoreElementDouble(const MutableTensor4View& view, int64_t i0, int64_t i1, int64_t i2, int64_t i3,
+inline void StoreElementDouble(const MutableStridedView<4>& view, int64_t i0, int64_t i1, int64_t i2, int64_t i3,
                                double value) {
-  const int64_t offset = i0 * view.strides[0] + i1 * view.strides[1] + i2 * view.strides[2] + i3 * view.strides[3];
+  const int64_t offset = view.Offset(i0, i1, i2, i3);
   if (view.dtype == DType::kFloat64) {
     static_cast<double*>(view.data)[offset] = value;
     return;

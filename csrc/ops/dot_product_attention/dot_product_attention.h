@@ -15,22 +15,13 @@
 #include "csrc/core/cpu_info.h"
 #include "csrc/core/dtype.h"
 #include "csrc/core/status.h"
+#include "csrc/core/strided_view.h"
 
 namespace tokamax {
 
-struct Tensor4View {
-  const void* data = nullptr;  // null: absent (bias, dlse)
-  DType dtype = DType::kFloat32;
-  int64_t sizes[4] = {0, 0, 0, 0};
-  int64_t strides[4] = {0, 0, 0, 0};  // in elements
-};
-
-struct MutableTensor4View {
-  void* data = nullptr;
-  DType dtype = DType::kFloat32;
-  int64_t sizes[4] = {0, 0, 0, 0};
-  int64_t strides[4] = {0, 0, 0, 0};
-};
+// The adapter's names for the views (csrc/torch builds them); kernels spell StridedView<4>.
+using Tensor4View = StridedView<4>;
+using MutableTensor4View = MutableStridedView<4>;
 
 // Which (b, n, t, s) pairs are visible. All conditions combine with "and".
 struct AttentionMasks {
@@ -49,14 +40,14 @@ struct AttentionMasks {
 };
 
 struct DotProductAttentionParams {
-  Tensor4View q;     // [B,T,N,H]
-  Tensor4View k;     // [B,S,K,H]
-  Tensor4View v;     // [B,S,K,Hv]
-  Tensor4View bias;  // broadcast to [B,N,T,S]; data null when absent
+  StridedView<4> q;  // [B,T,N,H]
+  StridedView<4> k;  // [B,S,K,H]
+  StridedView<4> v;  // [B,S,K,Hv]
+  StridedView<4> bias;  // broadcast to [B,N,T,S]; data null when absent
   AttentionMasks masks;
   float scale = 1.0f;
   float logits_soft_cap = 0.0f;  // 0: none
-  MutableTensor4View out;  // [B,T,N,Hv]
+  MutableStridedView<4> out;  // [B,T,N,Hv]
   // [B,N,T] with lse_strides; null when not wanted. float, or double when q is float64 (so
   // float64 gradient checks see an exact logsumexp); the same holds for dlse below.
   void* lse = nullptr;
@@ -65,12 +56,12 @@ struct DotProductAttentionParams {
 
 struct DotProductAttentionGradParams {
   DotProductAttentionParams forward;  // its out and lse are the forward's results, read here
-  Tensor4View dout;                   // [B,T,N,Hv]
+  StridedView<4> dout;                // [B,T,N,Hv]
   const void* dlse = nullptr;         // [B,N,T] cotangent of logsumexp; null: zero
   int64_t dlse_strides[3] = {0, 0, 0};
-  MutableTensor4View dq;              // [B,T,N,H]
-  MutableTensor4View dk;              // [B,S,K,H]
-  MutableTensor4View dv;              // [B,S,K,Hv]
+  MutableStridedView<4> dq;           // [B,T,N,H]
+  MutableStridedView<4> dk;           // [B,S,K,H]
+  MutableStridedView<4> dv;           // [B,S,K,Hv]
   void* dbias = nullptr;              // dense [B,N,T,S] (contiguous), float like lse; null: not wanted
   // dbias is [N,T,S] instead, the batches' gradients summed in batch order (a bias broadcast over
   // the batch): the batches then run one after the other, so no two tasks add to one element.

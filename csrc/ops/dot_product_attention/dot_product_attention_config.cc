@@ -5,13 +5,12 @@
 #include <set>
 #include <string>
 
+#include "csrc/core/int_math.h"
 #include "csrc/core/softmax_kernels.h"
 #include "csrc/ops/dot_product_attention/dot_product_attention.h"
 
 namespace tokamax {
 namespace {
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 constexpr int64_t kMaxSplits = ConfigFieldNamed<DotProductAttentionConfig>("num_splits").max;
 // The largest logits tile a config may ask for (block_q x block_kv fp32, before multiplying by

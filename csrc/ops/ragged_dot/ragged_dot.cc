@@ -25,21 +25,13 @@ struct Task {
   int64_t m0, m1, n0, n1;
 };
 
-int64_t ElementOffset(const Tensor3View& view, int64_t i0, int64_t i1) {
-  return i0 * view.strides[0] + i1 * view.strides[1];
-}
-
-const void* Advance(const void* base, DType dtype, int64_t elements) {
-  return static_cast<const char*>(base) + elements * DTypeSize(dtype);
-}
-
 void* Advance(void* base, DType dtype, int64_t elements) {
   return static_cast<char*>(base) + elements * DTypeSize(dtype);
 }
 
 GroupGemm MakeGroupGemm(const RaggedDotParams& p, int64_t group, int64_t row_start, int64_t rows) {
-  const Tensor3View& lhs = p.lhs;
-  const Tensor3View& rhs = p.rhs;
+  const StridedView<3>& lhs = p.lhs;
+  const StridedView<3>& rhs = p.rhs;
   GroupGemm gemm;
   switch (p.form) {
     case RaggedDotForm::kDefault:
@@ -47,10 +39,10 @@ GroupGemm MakeGroupGemm(const RaggedDotParams& p, int64_t group, int64_t row_sta
       const bool trans = p.form == RaggedDotForm::kTransRhs;
       const int64_t k = lhs.sizes[1];
       const int64_t n = trans ? rhs.sizes[1] : rhs.sizes[2];
-      gemm.a = {Advance(lhs.data, lhs.dtype, ElementOffset(lhs, row_start, 0)), lhs.dtype, rows, k,
+      gemm.a = {lhs.At(row_start, 0, 0), lhs.dtype, rows, k,
                 lhs.strides[0], lhs.strides[1]};
       // rhs[g] as a K x N matrix: [K, N] directly, or [N, K] read transposed.
-      const void* rhs_g = Advance(rhs.data, rhs.dtype, group * rhs.strides[0]);
+      const void* rhs_g = rhs.At(group, 0, 0);
       gemm.b = {rhs_g, rhs.dtype, k, n, trans ? rhs.strides[2] : rhs.strides[1],
                 trans ? rhs.strides[1] : rhs.strides[2]};
       gemm.c = {Advance(p.out, p.out_dtype, row_start * p.out_strides[0]), p.out_dtype, rows, n,
@@ -61,9 +53,9 @@ GroupGemm MakeGroupGemm(const RaggedDotParams& p, int64_t group, int64_t row_sta
       // out[g] (K x N) = lhs_rowsᵀ (K x rows) · rhs_rows (rows x N).
       const int64_t k = lhs.sizes[1];
       const int64_t n = rhs.sizes[1];
-      gemm.a = {Advance(lhs.data, lhs.dtype, ElementOffset(lhs, row_start, 0)), lhs.dtype, k, rows,
+      gemm.a = {lhs.At(row_start, 0, 0), lhs.dtype, k, rows,
                 lhs.strides[1], lhs.strides[0]};
-      gemm.b = {Advance(rhs.data, rhs.dtype, ElementOffset(rhs, row_start, 0)), rhs.dtype, rows, n,
+      gemm.b = {rhs.At(row_start, 0, 0), rhs.dtype, rows, n,
                 rhs.strides[0], rhs.strides[1]};
       gemm.c = {Advance(p.out, p.out_dtype, group * p.out_strides[0]), p.out_dtype, k, n,
                 p.out_strides[1], p.out_strides[2]};

@@ -18,6 +18,7 @@
 #include "csrc/core/cpu_info.h"
 #include "csrc/core/dtype.h"
 #include "csrc/core/status.h"
+#include "csrc/core/strided_view.h"
 
 namespace tokamax {
 
@@ -30,17 +31,13 @@ const char* RaggedDotFormName(RaggedDotForm form);
 Status ParseRaggedDotDimensionNumbers(const std::vector<int64_t>& flat, RaggedDotForm* form);
 std::vector<int64_t> RaggedDotDimensionNumbers(RaggedDotForm form);
 
-struct Tensor3View {
-  const void* data = nullptr;
-  DType dtype = DType::kFloat32;
-  int64_t sizes[3] = {0, 0, 0};
-  int64_t strides[3] = {0, 0, 0};  // in elements
-};
+// The adapter's name for the view (csrc/torch builds it); kernels spell StridedView<3>.
+using Tensor3View = StridedView<3>;
 
 struct RaggedDotParams {
   RaggedDotForm form = RaggedDotForm::kDefault;
-  Tensor3View lhs;               // [M, K] in sizes[0..1]
-  Tensor3View rhs;               // [G, K, N], [G, N, K] or [M, N] (form 2, sizes[0..1])
+  StridedView<3> lhs;  // [M, K] in sizes[0..1]
+  StridedView<3> rhs;  // [G, K, N], [G, N, K] or [M, N] (form 2, sizes[0..1])
   const int64_t* group_sizes = nullptr;  // [G], validated by CheckRaggedDotGroupSizes
   int64_t num_groups = 0;
   void* out = nullptr;           // [M, N] or [G, K, N]

@@ -5,13 +5,11 @@
 #include <string>
 
 #include "csrc/core/gemm.h"
+#include "csrc/core/int_math.h"
 #include "csrc/ops/ragged_dot/ragged_dot.h"
 
 namespace tokamax {
 namespace {
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-int64_t RoundUp(int64_t value, int64_t multiple) { return CeilDiv(value, multiple) * multiple; }
 
 // The field list's steps are the GEMM micro-tile's: block_m whole 6-row tiles, block_n whole
 // 16-column panels.

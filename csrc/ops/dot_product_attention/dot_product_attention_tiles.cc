@@ -1,0 +1,172 @@
+// What every attention task does per kv tile, forward and backward alike: its rows gathered as
+// operands, its masks (which tiles it sees, which keys of a partial tile), the logits' epilogue
+// (bias, soft cap, masks).
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "csrc/core/isa.h"
+#include "csrc/ops/dot_product_attention/dot_product_attention_internal.h"
+
+namespace tokamax {
+namespace attention {
+
+Status CheckTile(const DotProductAttentionConfig& config, int64_t group) {
+  constexpr int64_t kMaxTileFloats = int64_t{1} << 24;  // 64 MiB of fp32 logits
+  if (config.block_q * group * config.block_kv > kMaxTileFloats) {
+    return Status::Error("dot_product_attention config: block_q * (query heads per kv head) * block_kv must be "
+                         "at most 2^24, got " + std::to_string(config.block_q) + " * " + std::to_string(group) +
+                         " * " + std::to_string(config.block_kv));
+  }
+  return Status::Ok();
+}
+
+void StoreRow(const MutableStridedView<4>& view, int64_t i0, int64_t i1, int64_t i2, const float* values,
+              int64_t count, float scale) {
+  DispatchDType(view.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    T* dst = static_cast<T*>(view.data) + i0 * view.strides[0] + i1 * view.strides[1] + i2 * view.strides[2];
+    const int64_t step = view.strides[3];
+    for (int64_t e = 0; e < count; ++e) StoreFromFloat(dst + e * step, scale * values[e]);
+    return 0;
+  });
+}
+
+float* InPlaceTileScratch(std::vector<float>& buffer, int64_t rows, int64_t ld) {
+  float* tile = Scratch(buffer, (rows + 1) * ld);
+  std::fill(tile + rows * ld, tile + (rows + 1) * ld, 0.0f);
+  return tile;
+}
+
+void GatherRows(const SoftmaxKernels& kernels, const StridedView<4>& x, const TaskRows& rows, int64_t cols, float scale,
+                float* dst, int64_t ld) {
+  DispatchDType(x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const int64_t step = x.strides[3];
+    for (int64_t r = 0; r < rows.count(); ++r) {
+      const T* src = static_cast<const T*>(x.At(rows.b, rows.t(r), rows.n(r), 0));
+      float* out = dst + r * ld;
+      if (step == 1) {
+        kernels.widen_row(x.dtype, src, cols, scale, out);
+      } else {
+        for (int64_t h = 0; h < cols; ++h) out[h] = scale * LoadAsFloat(src + h * step);
+      }
+      std::fill(out + cols, out + ld, 0.0f);
+    }
+    return 0;
+  });
+}
+
+void GatherRowsBf16(const StridedView<4>& x, const TaskRows& rows, uint16_t* dst, int64_t ld) {
+  for (int64_t r = 0; r < rows.count(); ++r) {
+    const uint16_t* src = static_cast<const uint16_t*>(x.At(rows.b, rows.t(r), rows.n(r), 0));
+    CopyBf16(src, 0, x.strides[3], 1, x.sizes[3], /*transpose=*/false, dst + r * ld, ld);
+  }
+}
+
+void PackRowsVnni(const StridedView<4>& x, const TaskRows& rows, int64_t cols, uint16_t* dst) {
+  const int64_t depth = x.sizes[3];
+  for (int64_t r0 = 0; r0 < cols; r0 += kBf16TileRows) {
+    const uint16_t* vectors[kBf16TileRows] = {};
+    for (int64_t j = 0; j < kBf16TileRows && r0 + j < rows.count(); ++j) {
+      const int64_t r = r0 + j;
+      vectors[j] = static_cast<const uint16_t*>(x.At(rows.b, rows.t(r), rows.n(r), 0));
+    }
+    PackVnniFromBf16Vectors(vectors, x.strides[3], depth, depth, dst + r0 * depth);
+  }
+}
+
+void ComputeRowMasks(const AttentionMasks& m, const TaskRows& rows, int64_t kv_len, RowMasks* out) {
+  out->ranges.resize(rows.count());
+  out->max_end = 0;
+  for (int64_t r = 0; r < rows.count(); ++r) {
+    const attention::KeyRange range = attention::VisibleKeys(m, rows.b, rows.t(r), kv_len);
+    out->ranges[r] = range;
+    if (range.begin < range.end) out->max_end = std::max(out->max_end, range.end);
+  }
+  if (m.q_segment_ids != nullptr) {
+    out->min_segment = std::numeric_limits<int32_t>::max();
+    out->max_segment = std::numeric_limits<int32_t>::min();
+    for (int64_t t = rows.t0; t < rows.t0 + rows.positions; ++t) {
+      const int32_t id = attention::QuerySegment(m, rows.b, t);
+      out->min_segment = std::min(out->min_segment, id);
+      out->max_segment = std::max(out->max_segment, id);
+    }
+  }
+}
+
+void SetTileRanges(RowMasks& rm, int64_t count, int64_t s0, int64_t keys) {
+  const int64_t cols = RoundUp(count, 16);
+  rm.lo.resize(cols);
+  rm.hi.resize(cols);
+  for (int64_t r = 0; r < cols; ++r) {
+    const attention::KeyRange range = r < count ? rm.ranges[r] : attention::KeyRange{s0, s0 + keys};
+    rm.lo[r] = static_cast<float>(std::clamp<int64_t>(range.begin - s0, 0, keys));
+    rm.hi[r] = static_cast<float>(std::clamp<int64_t>(range.end - s0, 0, keys));
+  }
+}
+
+TileVisibility ClassifyTile(const AttentionMasks& m, const RowMasks& rm, int64_t b, int64_t s0, int64_t s1) {
+  bool any = false, all = true;
+  for (const attention::KeyRange& range : rm.ranges) {
+    const int64_t begin = std::max(range.begin, s0), end = std::min(range.end, s1);
+    if (begin < end) any = true;
+    if (begin > s0 || end < s1) all = false;
+  }
+  if (!any) return TileVisibility::kNone;
+  if (m.q_segment_ids != nullptr) {
+    int32_t lo = std::numeric_limits<int32_t>::max(), hi = std::numeric_limits<int32_t>::min();
+    for (int64_t s = s0; s < s1; ++s) {
+      const int32_t id = attention::KeySegment(m, b, s);
+      lo = std::min(lo, id);
+      hi = std::max(hi, id);
+    }
+    if (hi < rm.min_segment || lo > rm.max_segment) return TileVisibility::kNone;
+  }
+  return all && !attention::HasElementMasks(m) ? TileVisibility::kFull : TileVisibility::kPartial;
+}
+
+Status GetKernels(Kernels* kernels) {
+  Isa isa;
+  const Status status = ActiveIsa(&isa);
+  if (!status.ok()) return status;
+  kernels->gemm = &GetGemmKernels(isa);
+  kernels->softmax = &GetSoftmaxKernels(isa);
+  kernels->bf16 = GetBf16Products(isa);
+  return Status::Ok();
+}
+
+void FinishLogits(const DotProductAttentionParams& p, const Kernels& k, const TaskRows& rows, const RowMasks& rm,
+                  int64_t s0, int64_t keys, TileVisibility visibility, float* st, int64_t ld, float* tanh_out) {
+  const int64_t count = rows.count();
+  if (p.bias.data != nullptr) {
+    for (int64_t r = 0; r < count; ++r) {
+      for (int64_t j = 0; j < keys; ++j) {
+        st[j * ld + r] += attention::LoadElement(p.bias, rows.b, rows.n(r), rows.t(r), s0 + j);
+      }
+    }
+  }
+  if (p.logits_soft_cap > 0.0f) {
+    const float cap = p.logits_soft_cap, inv_cap = 1.0f / p.logits_soft_cap;
+    for (int64_t j = 0; j < keys; ++j) {
+      for (int64_t r = 0; r < count; ++r) {
+        const float th = std::tanh(st[j * ld + r] * inv_cap);
+        if (tanh_out != nullptr) tanh_out[j * ld + r] = th;
+        st[j * ld + r] = cap * th;
+      }
+    }
+  }
+  if (visibility == TileVisibility::kFull) return;
+  // Ranges (SetTileRanges), vectorized across rows.
+  k.softmax->mask_columns(st, keys, ld, RoundUp(count, 16), rm.lo.data(), rm.hi.data());
+  if (!attention::HasElementMasks(p.masks)) return;
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t t = rows.t(r), n = rows.n(r);
+    for (int64_t j = 0; j < keys; ++j) {
+      if (!attention::ElementVisible(p.masks, rows.b, n, t, s0 + j)) st[j * ld + r] = kNegInf;
+    }
+  }
+}
+
+}  // namespace attention
+}  // namespace tokamax
