@@ -1,5 +1,5 @@
 # The README's two commands. Both set everything up from a fresh clone first.
-.PHONY: demo test setup test-cpp test-python bench clean
+.PHONY: demo test setup test-cpp test-python sanitize bench clean
 
 PY := .venv/bin/python
 JOBS ?= 2
@@ -19,6 +19,16 @@ test-cpp:
 
 test-python:
 	$(PY) -m pytest tests
+
+# The C++ core and its tests under AddressSanitizer + UndefinedBehaviorSanitizer: the first
+# report fails the run. Stack use after return is checked too (off by default in GCC 12).
+SANITIZER_ENV := ASAN_OPTIONS=detect_stack_use_after_return=1:check_initialization_order=1:strict_init_order=1 \
+	UBSAN_OPTIONS=print_stacktrace=1
+sanitize:
+	cmake -S . -B build/sanitize -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTOKAMAX_BUILD_TESTS=ON \
+	    -DTOKAMAX_SANITIZE=address,undefined >/dev/null
+	cmake --build build/sanitize --parallel $(JOBS)
+	$(SANITIZER_ENV) ctest --test-dir build/sanitize --output-on-failure -j $(JOBS)
 
 bench: setup
 	$(PY) benchmarks/ragged_dot.py
