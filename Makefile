@@ -1,5 +1,5 @@
 # The README's two commands. Both set everything up from a fresh clone first.
-.PHONY: demo test setup test-cpp test-python sanitize bench clean
+.PHONY: demo test setup test-cpp test-python sanitize test-aarch64 bench clean
 
 PY := .venv/bin/python
 JOBS ?= 2
@@ -29,6 +29,15 @@ sanitize:
 	    -DTOKAMAX_SANITIZE=address,undefined >/dev/null
 	cmake --build build/sanitize --parallel $(JOBS)
 	$(SANITIZER_ENV) ctest --test-dir build/sanitize --output-on-failure -j $(JOBS)
+
+# The C++ core and its tests cross-built for aarch64 (scalar tier only) and run under qemu.
+AARCH64_SYSROOT := /usr/aarch64-linux-gnu
+test-aarch64:
+	bash scripts/setup_aarch64.sh
+	cmake -S . -B build/aarch64 -G Ninja -DCMAKE_BUILD_TYPE=Release -DTOKAMAX_BUILD_TESTS=ON \
+	    -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DTOKAMAX_GTEST_SOURCE_DIR=/usr/src/googletest >/dev/null
+	cmake --build build/aarch64 --parallel $(JOBS) --target tokamax_core_tests
+	qemu-aarch64 -L $(AARCH64_SYSROOT) build/aarch64/tokamax_core_tests
 
 bench: setup
 	$(PY) benchmarks/ragged_dot.py
