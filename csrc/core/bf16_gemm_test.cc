@@ -210,10 +210,12 @@ TEST(Bf16EngineTierTest, TiersAreReportedConsistently) {
   }
   EXPECT_STREQ(IsaName(Isa::kAvx512Bf16), "avx512bf16");
   EXPECT_STREQ(IsaName(Isa::kAmx), "amx");
-  // Tiers without an engine have none; the amx engine alone needs the tile scope.
+  // Tiers without an engine, or not built here (IsaBuilt), have none; the amx engine alone
+  // needs the tile scope.
   EXPECT_FALSE(GetBf16Products(Isa::kAvx512));
   EXPECT_FALSE(GetBf16Products(Isa::kScalar));
-  EXPECT_TRUE(GetBf16Products(Isa::kAmx).tile_unit);
+  EXPECT_EQ(GetBf16Products(Isa::kAmx).tile_unit, IsaBuilt(Isa::kAmx));
+  EXPECT_EQ(static_cast<bool>(GetBf16Products(Isa::kAvx512Bf16)), IsaBuilt(Isa::kAvx512Bf16));
   EXPECT_FALSE(GetBf16Products(Isa::kAvx512Bf16).tile_unit);
 }
 

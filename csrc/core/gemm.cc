@@ -21,7 +21,7 @@ const GemmKernels& GemmKernelsAvx512();
 namespace {
 
 // The avx512 table with the tier's bf16 product engine.
-GemmKernels WithBf16Products(Isa isa) {
+[[maybe_unused]] GemmKernels WithBf16Products(Isa isa) {
   GemmKernels table = GemmKernelsAvx512();
   table.bf16 = GetBf16Products(isa);
   return table;
@@ -29,19 +29,28 @@ GemmKernels WithBf16Products(Isa isa) {
 
 }  // namespace
 
+// A tier this build lacks (IsaBuilt) gets the scalar table.
 const GemmKernels& GetGemmKernels(Isa isa) {
   switch (isa) {
+#ifdef TOKAMAX_HAVE_AMX
     case Isa::kAmx: {
       static const GemmKernels amx = WithBf16Products(Isa::kAmx);
       return amx;
     }
+#endif
+#ifdef TOKAMAX_HAVE_AVX512BF16
     case Isa::kAvx512Bf16: {
       static const GemmKernels dot = WithBf16Products(Isa::kAvx512Bf16);
       return dot;
     }
+#endif
+#ifdef TOKAMAX_HAVE_AVX512
     case Isa::kAvx512: return GemmKernelsAvx512();
+#endif
+#ifdef TOKAMAX_HAVE_AVX2
     case Isa::kAvx2: return GemmKernelsAvx2();
-    case Isa::kScalar: break;
+#endif
+    default: break;
   }
   return GemmKernelsScalar();
 }

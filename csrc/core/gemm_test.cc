@@ -203,6 +203,35 @@ TEST(IsaTest, EnvironmentForcesTier) {
   EXPECT_EQ(isa, BestIsa(GetCpuInfo()));
 }
 
+TEST(IsaTest, TiersNotBuiltAreNeverSupported) {
+  // x86-64 builds every tier; other processors the scalar one only.
+#if defined(__x86_64__)
+  const bool x86 = true;
+#else
+  const bool x86 = false;
+#endif
+  CpuInfo everything;
+  everything.avx2 = everything.fma = everything.f16c = everything.avx512f = true;
+  everything.avx512bw = everything.avx512vl = everything.avx512bf16 = true;
+  everything.amx_tile = everything.amx_bf16 = true;
+  EXPECT_TRUE(IsaBuilt(Isa::kScalar));
+  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kAmx}) {
+    EXPECT_EQ(IsaBuilt(isa), x86) << IsaName(isa);
+    if (!IsaBuilt(isa)) {
+      EXPECT_FALSE(IsaSupported(isa, everything)) << IsaName(isa);
+      setenv("TOKAMAX_CPU_ISA", IsaName(isa), 1);
+      Isa active = Isa::kScalar;
+      const Status status = ActiveIsa(&active);
+      EXPECT_FALSE(status.ok());
+      EXPECT_NE(status.message().find("no such tier"), std::string::npos) << status.message();
+    }
+  }
+  unsetenv("TOKAMAX_CPU_ISA");
+  if (!x86) {
+    EXPECT_EQ(BestIsa(everything), Isa::kScalar);
+  }
+}
+
 }  // namespace
 }  // namespace tokamax
 

@@ -38,6 +38,7 @@ const char* IsaName(Isa isa) {
 }
 
 bool IsaSupported(Isa isa, const CpuInfo& info) {
+  if (!IsaBuilt(isa)) return false;
   switch (isa) {
     case Isa::kScalar: return true;
     case Isa::kAvx2: return info.avx2 && info.fma && info.f16c;
@@ -65,6 +66,10 @@ Status ActiveIsa(Isa* isa) {
   }
   for (Isa candidate : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kAmx}) {
     if (std::strcmp(forced, IsaName(candidate)) != 0) continue;
+    if (!IsaBuilt(candidate)) {
+      return Status::Error(std::string("TOKAMAX_CPU_ISA=") + forced +
+                           ": this build has no such tier (only x86-64 builds the avx2, avx512, avx512bf16 and amx tiers)");
+    }
     if (!IsaSupported(candidate, info)) {
       return Status::Error(std::string("TOKAMAX_CPU_ISA=") + forced +
                            " is not supported by this CPU (avx2 needs AVX2, FMA and F16C; avx512 also AVX-512F; avx512bf16 also AVX-512BW/VL/BF16; amx also AMX-TILE/BF16 and the OS tile state)");

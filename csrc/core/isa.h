@@ -16,7 +16,31 @@ namespace tokamax {
 // product path run their avx512 kernels on them.
 enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
 
+// Whether this build compiled the tier's translation units. CMake defines TOKAMAX_HAVE_AVX2,
+// TOKAMAX_HAVE_AVX512, TOKAMAX_HAVE_AVX512BF16 and TOKAMAX_HAVE_AMX for the tiers it builds
+// (all four on x86-64, none elsewhere; scalar always). The per-tier tables are reached only
+// through IsaSupported, which is false for a tier not built.
+constexpr bool IsaBuilt(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar: return true;
+#ifdef TOKAMAX_HAVE_AVX2
+    case Isa::kAvx2: return true;
+#endif
+#ifdef TOKAMAX_HAVE_AVX512
+    case Isa::kAvx512: return true;
+#endif
+#ifdef TOKAMAX_HAVE_AVX512BF16
+    case Isa::kAvx512Bf16: return true;
+#endif
+#ifdef TOKAMAX_HAVE_AMX
+    case Isa::kAmx: return true;
+#endif
+    default: return false;
+  }
+}
+
 const char* IsaName(Isa isa);
+// Built here and runnable on this CPU.
 bool IsaSupported(Isa isa, const CpuInfo& info);
 Isa BestIsa(const CpuInfo& info);
 

@@ -31,6 +31,7 @@ class LargeBufferBytes {
 
  private:
   void Release();
+  void FillUninitialized(bool zeroed, size_t bytes);
   void* data_ = nullptr;
   void* mapping_ = nullptr;  // what munmap gets back; null when data_ came from malloc/calloc
   size_t mapped_bytes_ = 0;

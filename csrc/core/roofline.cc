@@ -12,8 +12,12 @@ double AmxBf16Peak(int64_t iterations);
 double DotBf16Peak(int64_t iterations);
 
 double MeasureFmaPeakGflops(Isa isa, int64_t iterations) {
+#ifdef TOKAMAX_HAVE_AVX512
   if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16 || isa == Isa::kAmx) return FmaPeakAvx512(iterations);  // fp32 FMA peak
+#endif
+#ifdef TOKAMAX_HAVE_AVX2
   if (isa == Isa::kAvx2) return FmaPeakAvx2(iterations);
+#endif
   // Scalar tier: 12 independent scalar chains.
   float acc[12];
   for (int i = 0; i < 12; ++i) acc[i] = 0.001f * i;
@@ -28,13 +32,20 @@ double MeasureFmaPeakGflops(Isa isa, int64_t iterations) {
 }
 
 double MeasureBf16ProductPeakGflops(Isa isa, int64_t iterations) {
+#ifdef TOKAMAX_HAVE_AMX
   if (isa == Isa::kAmx) return AmxBf16Peak(iterations);
+#endif
+#ifdef TOKAMAX_HAVE_AVX512BF16
   if (isa == Isa::kAvx512Bf16) return DotBf16Peak(iterations);
+#endif
   return 0.0;
 }
 
 double MeasureFmaPeakAvx512Gflops(int64_t iterations) {
-  return GetCpuInfo().avx512f ? FmaPeakAvx512(iterations) : 0.0;
+#ifdef TOKAMAX_HAVE_AVX512
+  if (GetCpuInfo().avx512f) return FmaPeakAvx512(iterations);
+#endif
+  return 0.0;
 }
 
 double MeasureReadBandwidthGbps(const float* buffer, int64_t count) {

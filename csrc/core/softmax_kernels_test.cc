@@ -248,8 +248,10 @@ TEST(Bf16RowDotsTierTest, OnlyTheAvx512Bf16TierHasThem) {
     EXPECT_EQ(GetSoftmaxKernels(isa).key_dots_bf16, nullptr) << IsaName(isa);
     EXPECT_EQ(GetSoftmaxKernels(isa).accumulate_values_bf16, nullptr) << IsaName(isa);
   }
-  EXPECT_NE(GetSoftmaxKernels(Isa::kAvx512Bf16).key_dots_bf16, nullptr);
-  EXPECT_NE(GetSoftmaxKernels(Isa::kAvx512Bf16).accumulate_values_bf16, nullptr);
+  // Where the tier is not built (IsaBuilt), its table is the scalar one.
+  const bool built = IsaBuilt(Isa::kAvx512Bf16);
+  EXPECT_EQ(GetSoftmaxKernels(Isa::kAvx512Bf16).key_dots_bf16 != nullptr, built);
+  EXPECT_EQ(GetSoftmaxKernels(Isa::kAvx512Bf16).accumulate_values_bf16 != nullptr, built);
 }
 
 // The online softmax over two tiles (UpdateRunningMax, then exp_columns and alpha as attention
