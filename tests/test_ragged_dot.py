@@ -246,6 +246,25 @@ def test_get_configs():
     assert isinstance(big[0], rd.Config) and isinstance(big[1], rd.BackwardConfig)
 
 
+def test_one_config_or_two_for_the_gradient_products():
+    # bwd as one Config (both gradient products), as a BackwardConfig and as a flat list of both.
+    # Long contractions in both gradient products (N=700 for dlhs, 300 rows per group for drhs),
+    # so a different block_k changes the summation order of each.
+    lhs, rhs, gs = make_operands(rd.DEFAULT, 600, 64, 700, 2, torch.float32)
+    lhs.requires_grad_(True)
+    rhs.requires_grad_(True)
+    dout = torch.randn(600, 700)
+    want = torch.autograd.grad(rd.reference(lhs, rhs, gs), (lhs, rhs), dout)
+    heuristic = torch.autograd.grad(rd.kernel(lhs, rhs, gs), (lhs, rhs), dout)
+    shallow = rd.Config(block_m=12, block_k=32, block_n=64, task_m=48, pack_b_min_rows=0)
+    other = rd.Config(block_m=72, block_k=256, block_n=256, task_m=144, pack_b_min_rows=96)
+    for bwd in (shallow, rd.BackwardConfig(shallow, other), shallow.to_list() + other.to_list()):
+        got = torch.autograd.grad(rd.kernel(lhs, rhs, gs, configs=(None, bwd)), (lhs, rhs), dout)
+        for x, y, h in zip(got, want, heuristic):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+            assert not torch.equal(x, h)  # the config reached this gradient product
+
+
 def test_config_elements_must_be_ints():
     lhs, rhs, gs = make_operands(rd.DEFAULT, 16, 8, 8, 2, torch.float32)
     for bad in ("abc", ["144", 256, 512, 144, 12], [6.0, 8, 16, 6, 0], [True, 8, 16, 6, 0]):
@@ -326,7 +345,8 @@ CONTRACT = OpContract(
         Sample("configs-fp32-out", _sample(rd.DEFAULT, torch.float32, grad=(True, False),
                                            preferred_element_type=torch.float32, configs=(_CONFIG, _CONFIG))),
         # Tiny groups, whose gradient products get very different heuristics.
-        Sample("tiny-groups", _sample(rd.DEFAULT, torch.float32, 12, 200, 100, 4, total=None), reference=False),
+        *(Sample(f"tiny-groups-{name}", _sample(form, torch.float32, 12, 200, 100, 4, total=None), compile=False,
+                 reference=False) for name, form in FORMS.items()),
         Sample("long-k", _sample(rd.TRANS_RHS, torch.float32, 100, 300, 64, 3, total=None), reference=False),
     ],
     bad_inputs=_bad_inputs,
