@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
