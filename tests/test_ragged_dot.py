@@ -19,6 +19,12 @@ IMPLEMENTATIONS = [rd.reference, rd.kernel]
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float64: 1e-12}
 
 
+# The reference at the default thread count; the kernel, which promises the same bits at any
+# count, at each of THREAD_COUNTS.
+IMPLEMENTATIONS_AT_THREAD_COUNTS = [(rd.reference, None)] + [(rd.kernel, n) for n in THREAD_COUNTS]
+IMPLEMENTATION_IDS = ["reference"] + [f"kernel-{n}threads" for n in THREAD_COUNTS]
+
+
 @pytest.fixture(params=IMPLEMENTATIONS, ids=lambda impl: impl.name)
 def impl(request):
     return request.param
@@ -78,8 +84,8 @@ FORMS = {"default": rd.DEFAULT, "trans_rhs": rd.TRANS_RHS, "ragged_contracting":
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
 @pytest.mark.parametrize("m,k,n,g", [(64, 32, 48, 4), (37, 19, 23, 5), (130, 70, 100, 3), (5, 300, 17, 7)])
-@pytest.mark.parametrize("impl,num_threads", [(rd.reference, None)] + [(rd.kernel, n) for n in THREAD_COUNTS],
-                         ids=["reference"] + [f"kernel-{n}threads" for n in THREAD_COUNTS], indirect=["num_threads"])
+@pytest.mark.parametrize("impl,num_threads", IMPLEMENTATIONS_AT_THREAD_COUNTS, ids=IMPLEMENTATION_IDS,
+                         indirect=["num_threads"])
 def test_matches_float64_oracle(impl, num_threads, dtype, form, m, k, n, g):
     lhs, rhs, gs = make_operands(form, m, k, n, g, dtype, total=m - m // 5)
     out = impl(lhs, rhs, gs, ragged_dot_dimension_numbers=form)
@@ -186,7 +192,9 @@ def test_unknown_isa_is_a_clear_error(monkeypatch):
 # ---- autograd -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
-def test_gradients_match_reference(impl, form):
+@pytest.mark.parametrize("impl,num_threads", IMPLEMENTATIONS_AT_THREAD_COUNTS, ids=IMPLEMENTATION_IDS,
+                         indirect=["num_threads"])
+def test_gradients_match_reference(impl, num_threads, form):
     lhs, rhs, gs = make_operands(form, 50, 20, 30, 4, torch.float32, total=44)
     gs[1] = 0
     gs[2] = 44 - gs[0] - gs[3]
