@@ -57,7 +57,7 @@ def ragged_problems(draw):
     return lhs, rhs, group_sizes, form, preferred
 
 
-@settings(PROFILE, max_examples=600)
+@settings(PROFILE, max_examples=400)
 @given(problem=ragged_problems())
 def test_ragged_dot_kernel_matches_float64_oracle(problem):
     lhs, rhs, group_sizes, form, preferred = problem
@@ -112,7 +112,7 @@ def attention_problems(draw):
     return (q, k, v, bias, mask), {key: value for key, value in kwargs.items() if value is not None}
 
 
-@settings(PROFILE, max_examples=300)
+@settings(PROFILE, max_examples=200)
 @given(problem=attention_problems())
 def test_dot_product_attention_kernel_matches_float64_oracle(problem):
     args, kwargs = problem
@@ -121,7 +121,7 @@ def test_dot_product_attention_kernel_matches_float64_oracle(problem):
     assert not out.isnan().any() and not lse.isnan().any()
 
 
-@settings(PROFILE, max_examples=120)
+@settings(PROFILE, max_examples=60)
 @given(problem=attention_problems())
 def test_dot_product_attention_kernel_gradients_match_float64_reference(problem):
     torch.manual_seed(0)  # the output weights the helper draws: the same for an example run alone
