@@ -98,7 +98,8 @@ class OpContract:
 # ---- helpers ------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def num_threads(n: int):
+def threads(n: int):
+    """Runs the block at n threads, then restores the count."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -122,8 +123,8 @@ def outputs(out) -> list[torch.Tensor]:
 
 
 def forward_backward(fn, call: Call) -> list[torch.Tensor]:
-    """fn's outputs and, where the call has leaves, the gradients of a fixed random weighting of
-    the first output (fresh leaves each time, so calls never share .grad)."""
+    """fn's outputs and, where the call has leaves, the gradients of a fixed weighting (a ramp
+    from -1 to 1) of the first output; fresh leaves each time, so calls never share .grad."""
     args, kwargs = call
     fresh = {id(x): x.detach().clone().requires_grad_(True) for x in leaves(call)}
     swap = lambda x: fresh.get(id(x), x) if isinstance(x, torch.Tensor) else x  # noqa: E731
@@ -139,7 +140,8 @@ def forward_backward(fn, call: Call) -> list[torch.Tensor]:
 
 
 def schema_args(impl, call: Call) -> tuple:
-    """The arguments the singleton passes to its registered op for this call (for opcheck)."""
+    """The arguments the singleton passes to its registered op for this call (for opcheck),
+    recorded by a copy of the singleton whose `_op` (the op it calls) is a recorder."""
     captured = []
     recorder = copy.copy(impl)
     recorder._op = lambda *a: captured.append(a) or impl.op(*a)

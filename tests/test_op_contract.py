@@ -8,7 +8,7 @@ import tokamax_torch
 import test_dot_product_attention
 import test_ragged_dot
 from contract import (THREAD_COUNTS, assert_all_close, assert_all_equal, configs_as_lists, first_output,
-                      forward_backward, is_low_precision, leaves, num_threads, schema_args, with_configs)
+                      forward_backward, is_low_precision, leaves, schema_args, threads, with_configs)
 
 CONTRACTS = [test_ragged_dot.CONTRACT, test_dot_product_attention.CONTRACT]
 COMPILE_TOLERANCE = 1e-5  # eager against compiled: the same kernels, fused ATen ops around them
@@ -200,17 +200,16 @@ def test_bad_input_raises_under_compile(contract, impl, bad):
 
 # ---- determinism --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("num_threads_", THREAD_COUNTS, ids=lambda n: f"{n}threads")
+@pytest.mark.parametrize("num_threads", THREAD_COUNTS, ids=lambda n: f"{n}threads", indirect=True)
 @pytest.mark.parametrize("contract,sample", [pytest.param(c, s, id=f"{c.name}-{s.id}")
                                              for c in CONTRACTS for s in c.determinism_samples])
-def test_kernel_bitwise_deterministic_across_runs_and_threads(contract, sample, num_threads_):
+def test_kernel_bitwise_deterministic_across_runs_and_threads(contract, sample, num_threads):
     # Only the kernels promise this: ATen's (the reference's) summation order may follow the
     # thread count.
     call = sample.make()
-    with num_threads(1):
+    first = forward_backward(contract.kernel, call)
+    again = forward_backward(contract.kernel, call)
+    with threads(1):
         want = forward_backward(contract.kernel, call)
-    with num_threads(num_threads_):
-        first = forward_backward(contract.kernel, call)
-        again = forward_backward(contract.kernel, call)
-    assert_all_equal(first, want, f"{num_threads_} threads against 1")
+    assert_all_equal(first, want, f"{num_threads} threads against 1")
     assert_all_equal(again, first, "a second run")
