@@ -6,9 +6,23 @@ import tokamax_torch
 
 @pytest.fixture(autouse=True)
 def _seed_and_reset():
+    threads = torch.get_num_threads()
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+    torch.set_num_threads(threads)  # whatever a test did, the next one starts at the same count
+
+
+@pytest.fixture
+def num_threads(request):
+    """Runs a test at `request.param` threads (parametrize it with indirect=["num_threads"]; None
+    keeps the count), restoring the count afterwards."""
+    before = torch.get_num_threads()
+    n = getattr(request, "param", None)
+    if n is not None:
+        torch.set_num_threads(n)
+    yield torch.get_num_threads()
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)

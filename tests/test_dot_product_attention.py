@@ -1,4 +1,8 @@
-"""The shared dot_product_attention suite, run against both singletons (reference and kernel)."""
+"""dot_product_attention: its contract samples, its float64-oracle numerics and its special cases.
+
+The checks every op owes (opcheck, compile, export, configs, bad inputs, determinism) run in
+tests/test_op_contract.py from CONTRACT below.
+"""
 
 import dataclasses
 import math
@@ -9,9 +13,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.testing import CompileCounterWithBackend
 
 import tokamax_torch
+from contract import THREAD_COUNTS, BadInput, DynamicSizes, OpContract, Sample
 from tokamax_torch.ops import dot_product_attention as dpa
 
 IMPLEMENTATIONS = [dpa.reference, dpa.kernel]
@@ -128,7 +132,9 @@ def _split(kwargs):
 
 @pytest.mark.parametrize("option", OPTIONS.keys())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_matches_float64_oracle(impl, option, dtype):
+@pytest.mark.parametrize("impl,num_threads", [(dpa.reference, None)] + [(dpa.kernel, n) for n in THREAD_COUNTS],
+                         ids=["reference"] + [f"kernel-{n}threads" for n in THREAD_COUNTS], indirect=["num_threads"])
+def test_matches_float64_oracle(impl, num_threads, option, dtype):
     q, k, v = make_qkv(2, 19, 29, 6, 2, 16, 24, dtype)
     bias, mask, kwargs = _split(OPTIONS[option])
     bias = None if bias is None else bias.to(dtype)
@@ -159,10 +165,12 @@ def test_shapes(impl, b, t, s, n, k, h, hv, is_causal):
 
 @pytest.mark.parametrize("option", ["plain", "causal", "softcap", "bias", "all"])
 @pytest.mark.parametrize("t,hv", [(1, 96), (2, 32)])
-def test_bf16_decode_row_products_match_float64(impl, option, t, hv):
+def test_bf16_decode_row_products_match_float64(option, t, hv):
     # Few query rows take the row path; bf16 with head dims of whole 32-element steps takes the
     # bf16 row products where the tier has them (avx512bf16: vdpbf16ps, P rounded to bf16),
-    # else the widening ones. Both against the oracle, on every tier the CPU supports.
+    # else the widening ones. Both against the oracle, on every tier the CPU supports (the kernel:
+    # the reference ignores the tier).
+    impl = dpa.kernel
     q, k, v = make_qkv(2, t, 29, 8, 2, 64, hv, torch.bfloat16)
     bias = torch.randn(2, 8, t, 29).bfloat16() if option in ("bias", "all") else None
     mask = torch.rand(2, 1, t, 29) > 0.3 if option == "all" else None
@@ -243,7 +251,8 @@ def test_matches_sdpa(impl):
             torch.testing.assert_close(x.grad, y.grad.transpose(1, 2), rtol=1e-4, atol=1e-4)
 
 
-def test_every_isa_tier(impl, monkeypatch):
+def test_every_isa_tier(monkeypatch):
+    impl = dpa.kernel
     q, k, v = make_qkv(1, 40, 50, 4, 2, 24)
     # Head dims that fit bf16 tiles (H % 32, Hv % 16): the bf16 product engine of the avx512bf16
     # (vdpbf16ps) and amx (tile unit) tiers.
@@ -327,20 +336,6 @@ def test_non_contiguous_inputs(impl):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_bitwise_deterministic_across_runs_and_threads(impl):
-    q, k, v = make_qkv(1, 64, 300, 4, 2, 32)
-    threads = torch.get_num_threads()
-    try:
-        first = impl(q, k, v, is_causal=True, return_residuals=True)
-        torch.set_num_threads(1)
-        single = impl(q, k, v, is_causal=True, return_residuals=True)
-    finally:
-        torch.set_num_threads(threads)
-    again = impl(q, k, v, is_causal=True, return_residuals=True)
-    for a, b, c in zip(first, single, again):
-        assert torch.equal(a, b) and torch.equal(a, c)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reused_working_memory_gives_the_same_bits(dtype):
     # Packed K/V copies and dK/dV partial sums of this size (2-4 MiB) are mapped and, once
@@ -409,7 +404,8 @@ def test_bf16_tile_head_dims_match_float64_reference(option):
 
 
 @pytest.mark.parametrize("option", ["plain", "causal", "window", "lengths", "segments", "softcap", "bias", "all"])
-def test_gradients_match_float64_reference(option):
+@pytest.mark.parametrize("num_threads", THREAD_COUNTS, ids=lambda n: f"{n}threads", indirect=True)
+def test_gradients_match_float64_reference(option, num_threads):
     bias, mask, kwargs = _split(OPTIONS[option])
     q, k, v = make_qkv(2, 19, 29, 6, 2, 16, 24, torch.float64, requires_grad=True)
     bias = None if bias is None else bias.double().requires_grad_(True)
@@ -485,7 +481,9 @@ def test_gradient_of_logsumexp_alone(impl):
 
 
 @pytest.mark.parametrize("option", ["plain", "all"])
-def test_gradcheck_float64(impl, option):
+# One thread: thousands of tiny calls, whose thread barriers stall on a loaded machine.
+@pytest.mark.parametrize("num_threads", [1], ids=["1thread"], indirect=True)
+def test_gradcheck_float64(impl, option, num_threads):
     bias, mask, kwargs = _split(OPTIONS[option])
     q, k, v = make_qkv(2, 19, 29, 6, 2, 16, 24, torch.float64)
     q, k, v = q[:, :6, :, :4], k[:, :7, :, :4], v[:, :7, :, :3]  # small, strided slices
@@ -507,24 +505,7 @@ def test_gradcheck_float64(impl, option):
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6)
 
 
-# ---- torch.library / compile / export -----------------------------------------------------------
-
-def _schema_args(q, k, v, bias=None, mask=None, **kw):
-    return (q, k, v, bias, mask, kw.get("scale"), kw.get("is_causal", False), kw.get("query_seq_lengths"),
-            kw.get("key_value_seq_lengths"), kw.get("local_window_size"), kw.get("logits_soft_cap"),
-            kw.get("q_segment_ids"), kw.get("kv_segment_ids"), kw.get("config"), kw.get("bwd_config"))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_opcheck(impl, dtype):
-    q, k, v = make_qkv(2, 9, 13, 4, 2, 8, 8, dtype, requires_grad=True)
-    bias = torch.randn(4, 9, 13).to(dtype).requires_grad_(True)
-    torch.library.opcheck(impl.op, _schema_args(q, k, v, bias, is_causal=True, logits_soft_cap=3.0))
-    torch.library.opcheck(impl.op, _schema_args(
-        q, k, v, None, torch.rand(9, 13) > 0.3, local_window_size=[3, 1], query_seq_lengths=torch.tensor([9, 4]),
-        q_segment_ids=segment_ids(2, 9, 2), kv_segment_ids=segment_ids(2, 13, 2), config=[4, 8, 2],
-        bwd_config=[2, 16, 2]))
-
+# ---- special cases of the contract --------------------------------------------------------------
 
 def test_opcheck_backward_op():
     q, k, v = make_qkv(2, 9, 13, 4, 2, 8, 8)
@@ -533,77 +514,6 @@ def test_opcheck_backward_op():
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     torch.library.opcheck(torch.ops.tokamax._dot_product_attention_backward.default, (
         dout, dlse, q, k, v, bias, None, out, lse, None, True, None, None, None, None, None, None, True, None))
-
-
-def test_compile_fullgraph_matches_eager(impl):
-    q, k, v = make_qkv(2, 24, 24, 4, 2, 16)
-    bias = torch.randn(4, 24, 24)
-
-    def step(q, k, v, bias):
-        out = impl(torch.tanh(q), k * 2.0, v, bias, is_causal=True, local_window_size=(8, 0))
-        return (out.relu() ** 2).sum()
-
-    compiled = torch.compile(step, fullgraph=True)
-    results = []
-    for fn in (step, compiled):
-        inputs = [x.clone().requires_grad_() for x in (q, k, v, bias)]
-        loss = fn(*inputs)
-        loss.backward()
-        results.append([loss.detach()] + [x.grad for x in inputs])
-    for eager, comp in zip(*results):
-        torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-5)
-
-
-def test_compile_dynamic_one_graph(impl):
-    counter = CompileCounterWithBackend("inductor")
-
-    @torch.compile(backend=counter, fullgraph=True, dynamic=True)
-    def fn(q, k, v):
-        return impl(q, k, v, is_causal=True) * 1.5
-
-    for b, t in ((3, 10), (5, 17), (6, 33)):  # sizes no other dimension equals (and not 0 or 1)
-        q, k, v = make_qkv(b, t, t, 4, 2, 8)
-        torch.testing.assert_close(fn(q, k, v), impl(q, k, v, is_causal=True) * 1.5)
-    assert counter.frame_count == 1
-
-
-def test_compile_backward_dynamic(impl):
-    counter = CompileCounterWithBackend("aot_eager")
-
-    @torch.compile(backend=counter, fullgraph=True, dynamic=True)
-    def fn(q, k, v):
-        return impl(q, k, v, is_causal=True).sum()
-
-    for b, t in ((3, 10), (5, 17), (6, 33)):
-        q, k, v = make_qkv(b, t, t, 4, 2, 8, requires_grad=True)
-        fn(q, k, v).backward()
-        ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
-        oracle(*ref, is_causal=True)[0].sum().backward()
-        for x, r in zip((q, k, v), ref):
-            assert rel_error(x.grad, r.grad) <= GRAD_TOLERANCE[torch.float32]
-    assert counter.frame_count == 1
-
-
-def test_export_dynamic_t(impl):
-    class Block(torch.nn.Module):
-        def forward(self, q, k, v):
-            return impl(q, k, v, is_causal=True)
-
-    q, k, v = make_qkv(1, 32, 32, 4, 2, 8)
-    t = torch.export.Dim("t", min=2, max=4096)
-    exported = torch.export.export(Block(), (q, k, v), dynamic_shapes=({1: t}, {1: t}, {1: t}))
-    q2, k2, v2 = make_qkv(1, 50, 50, 4, 2, 8)
-    torch.testing.assert_close(exported.module()(q2, k2, v2), impl(q2, k2, v2, is_causal=True))
-    # T and S as separate dimensions: one exported program for prefill (T = S), T < S and decode.
-    s = torch.export.Dim("s", min=2, max=4096)
-    t = torch.export.Dim("t", min=1, max=4096)
-    exported = torch.export.export(Block(), tuple(make_qkv(1, 24, 40, 4, 2, 8)), dynamic_shapes=({1: t}, {1: s}, {1: s}))
-    for t_len, s_len in ((33, 33), (7, 61), (1, 90)):
-        q2, k2, v2 = make_qkv(1, t_len, s_len, 4, 2, 8)
-        torch.testing.assert_close(exported.module()(q2, k2, v2), impl(q2, k2, v2, is_causal=True))
-    if impl is dpa.kernel:  # the kernel stays one op in the graph; the reference decomposes
-        targets = [n.target for n in exported.graph.nodes if n.op == "call_function"]
-        assert torch.ops.tokamax.dot_product_attention.default in targets
 
 
 # ---- configs ------------------------------------------------------------------------------------
@@ -637,45 +547,8 @@ def test_config_query_ops_say_they_need_concrete_shapes():
             compiled(q, k, v)
 
 
-def test_no_config_is_the_heuristic_config(impl):
-    q, k, v = make_qkv(2, 50, 70, 4, 2, 16, requires_grad=True)
-    kwargs = dict(is_causal=True, logits_soft_cap=5.0)
-    configs = tokamax_torch.get_configs(impl, q, k, v, **kwargs)
-    plain = impl(q, k, v, **kwargs)
-    explicit = impl(q, k, v, configs=configs, **kwargs)
-    assert torch.equal(plain, explicit)
-    dout = torch.randn_like(plain)
-    assert all(torch.equal(x, y) for x, y in zip(torch.autograd.grad(plain, (q, k, v), dout),
-                                                 torch.autograd.grad(explicit, (q, k, v), dout)))
-    with_configs = torch.compile(lambda a, b, c: impl(a, b, c, configs=configs, **kwargs), fullgraph=True)
-    if impl is dpa.kernel:  # one opaque op: the same bits as eager
-        assert torch.equal(with_configs(q, k, v), explicit)
-    else:  # Inductor fuses the reference's ATen ops
-        torch.testing.assert_close(with_configs(q, k, v), explicit)
-
-
-def test_explicit_configs_are_honoured():
-    q, k, v = make_qkv(1, 64, 300, 4, 2, 32, requires_grad=True)
-    want_out = oracle(q, k, v)[0]
-    heuristic = dpa.kernel(q, k, v)
-    dout = torch.randn_like(heuristic)
-    heuristic_grads = torch.autograd.grad(heuristic, (q, k, v), dout)
-    space = dpa.kernel.config_space(q, k, v)
-    assert len(space) > 5 and space[0] == tokamax_torch.get_configs(dpa.kernel, q, k, v)[0]
-    changed_fwd = changed_bwd = False
-    for cfg in space:
-        out = dpa.kernel(q, k, v, configs=(cfg, cfg))
-        assert torch.equal(out, dpa.kernel(q, k, v, configs=(cfg.to_list(), None)))
-        assert rel_error(out, want_out) <= TOLERANCE[torch.float32]
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-        # A different kv tiling sums in another order: the bits change when the config reaches
-        # the kernel.
-        changed_fwd |= not torch.equal(out, heuristic)
-        changed_bwd |= any(not torch.equal(g, h) for g, h in zip(grads, heuristic_grads))
-    assert changed_fwd and changed_bwd
-
-
 def test_invalid_config_rejected():
+    # At the call, for both singletons, eager and compiled: CONTRACT.invalid_configs.
     with pytest.raises(RuntimeError, match="block_kv must be a multiple of 8"):
         dpa.Config(block_q=16, block_kv=12, num_splits=1)
     with pytest.raises(RuntimeError, match="num_splits must be in"):
@@ -683,16 +556,8 @@ def test_invalid_config_rejected():
     with pytest.raises(TypeError, match="block_q must be an int"):
         dpa.Config(block_q=1.5, block_kv=64, num_splits=1)
     q, k, v = make_qkv(1, 8, 8, 2, 1, 8)
-    for impl in IMPLEMENTATIONS:  # checked at the forward call, for both singletons
-        with pytest.raises(RuntimeError, match="expected 3 values"):
-            impl(q, k, v, configs=([16, 64], None))
-        with pytest.raises(RuntimeError, match="bwd_config: dot_product_attention config: block_q"):
-            impl(q.requires_grad_(), k, v, configs=(None, [0, 64, 1]))
     with pytest.raises(TypeError, match="a config must be a Config"):
         dpa.kernel(q, k, v, configs=([16.0, 64, 1], None))
-    compiled = torch.compile(lambda a: dpa.kernel(a, k, v, configs=([16, 60, 1], None)), fullgraph=True)
-    with pytest.raises(Exception, match="block_kv"):
-        compiled(q)
 
 
 def test_autotune_and_cache_roundtrip(user_cache):
@@ -703,62 +568,6 @@ def test_autotune_and_cache_roundtrip(user_cache):
     assert tokamax_torch.get_configs(dpa.kernel, q, k, v, is_causal=True, from_autotuning_cache=True) == (fwd, bwd)
 
 
-# ---- bad inputs ---------------------------------------------------------------------------------
-
-def _bad_inputs():
-    q, k, v = make_qkv(2, 6, 7, 4, 2, 8)
-    ids_q, ids_k = torch.zeros(2, 6, dtype=torch.int32), torch.zeros(2, 7, dtype=torch.int32)
-    return [
-        ("number of query heads must be a multiple of the number of kv heads, got N = 4 and K = 3",
-         (q, torch.randn(2, 7, 3, 8), torch.randn(2, 7, 3, 8)), {}),
-        (r"key's head dim must equal query's \(8\)", (q, torch.randn(2, 7, 2, 5), v), {}),
-        ("query must be 4-D", (q[0], k, v), {}),
-        ("value must be \\[B, S, K, Hv\\] with S and K of key", (q, k, torch.randn(2, 6, 2, 8)), {}),
-        ("query, key and value must have one dtype", (q, k.double(), v), {}),
-        ("query must be float32, bfloat16, float16 or float64, got Int",
-         (q.int(), k.int(), v.int()), {}),
-        (r"bias must be broadcastable to \[B, N, T, S\]", (q, k, v, torch.randn(4, 6, 6)), {}),
-        (r"mask must be broadcastable to \[B, N, T, S\]", (q, k, v, None, torch.ones(3, 4, 6, 7, dtype=torch.bool)), {}),
-        ("mask must be bool", (q, k, v, None, torch.ones(6, 7)), {}),
-        ("q_segment_ids must be int32, got Long", (q, k, v), {"q_segment_ids": ids_q.long(), "kv_segment_ids": ids_k}),
-        (r"kv_segment_ids must have shape \[B, S\] = \[2, 7\]", (q, k, v), {"q_segment_ids": ids_q, "kv_segment_ids": ids_q}),
-        ("q_segment_ids and kv_segment_ids must be given together", (q, k, v), {"q_segment_ids": ids_q}),
-        ("logits_soft_cap must be a positive finite number, got 0", (q, k, v), {"logits_soft_cap": 0.0}),
-        ("logits_soft_cap must be a positive finite number, got -1", (q, k, v), {"logits_soft_cap": -1.0}),
-        (r"local_window_size must be non-negative, got \(-1, 2\)", (q, k, v), {"local_window_size": (-1, 2)}),
-        (r"local_window_size must be non-negative, got \(2, -1\)", (q, k, v), {"local_window_size": (2, -1)}),
-        (r"local_window_size must be non-negative, got \(-3, -3\)", (q, k, v), {"local_window_size": -3}),
-        (r"q_segment_ids must have shape \[B, T\] = \[2, 6\]", (q, k, v),
-         {"q_segment_ids": ids_k, "kv_segment_ids": ids_k}),
-        ("query_seq_lengths must have B = 2 entries", (q, k, v), {"query_seq_lengths": torch.tensor([1, 2, 3])}),
-        ("key_value_seq_lengths must be int32 or int64", (q, k, v), {"key_value_seq_lengths": torch.tensor([1.0, 2.0])}),
-    ]
-
-
-# Value checks: only the kernel reads length values (the reference treats them as masks).
-_VALUE_ERRORS = [
-    (r"query_seq_lengths must lie in \[0, 6\], got query_seq_lengths\[1\] = 7", {"query_seq_lengths": torch.tensor([1, 7])}),
-    (r"key_value_seq_lengths must lie in \[0, 7\], got key_value_seq_lengths\[0\] = -1",
-     {"key_value_seq_lengths": torch.tensor([-1, 2])}),
-]
-
-
-@pytest.mark.parametrize("message,args,kwargs", _bad_inputs(), ids=lambda x: x if isinstance(x, str) else "")
-def test_bad_inputs_raise_before_compute(impl, message, args, kwargs):
-    with pytest.raises(RuntimeError, match=message):
-        impl(*args, **kwargs)
-
-
-@pytest.mark.parametrize("message,kwargs", _VALUE_ERRORS, ids=lambda x: x if isinstance(x, str) else "")
-def test_bad_length_values(message, kwargs):
-    q, k, v = make_qkv(2, 6, 7, 4, 2, 8)
-    with pytest.raises(RuntimeError, match=message):
-        dpa.kernel(q, k, v, **kwargs)
-    compiled = torch.compile(lambda a, b, c: dpa.kernel(a, b, c, **kwargs), fullgraph=True)
-    with pytest.raises(Exception, match=message):
-        compiled(q, k, v)
-
-
 def test_python_argument_errors():
     q, k, v = make_qkv(1, 4, 4, 2, 1, 8)
     with pytest.raises(TypeError, match="local_window_size must be an int w"):
@@ -767,8 +576,106 @@ def test_python_argument_errors():
         dpa.kernel(q, k, v, configs=dpa.Config(8, 64, 1))
 
 
-@pytest.mark.parametrize("message,args,kwargs", _bad_inputs(), ids=lambda x: x if isinstance(x, str) else "")
-def test_bad_inputs_raise_under_compile(impl, message, args, kwargs):
-    compiled = torch.compile(lambda *a: impl(*a, **kwargs), fullgraph=True)
-    with pytest.raises(Exception, match=message):
-        compiled(*args)
+# ---- the op contract (tests/test_op_contract.py) ------------------------------------------------
+
+def _sample(b, t, s, n, k, h, hv=None, dtype=torch.float32, bias_shape=None, grad=True, **kwargs):
+    def make():
+        q, k_, v = make_qkv(b, t, s, n, k, h, hv, dtype, requires_grad=grad)
+        bias = None if bias_shape is None else torch.randn(bias_shape).to(dtype).requires_grad_(grad)
+        return (q, k_, v, bias), dict(kwargs)
+    return make
+
+
+def _masked_sample(dtype):
+    def make():
+        q, k, v = make_qkv(2, 9, 13, 4, 2, 8, 8, dtype, requires_grad=True)
+        return (q, k, v, None, torch.rand(9, 13) > 0.3), dict(
+            local_window_size=(3, 1), query_seq_lengths=torch.tensor([9, 4]), q_segment_ids=segment_ids(2, 9, 2),
+            kv_segment_ids=segment_ids(2, 13, 2), return_residuals=True, configs=([4, 8, 2], [2, 16, 2]))
+    return make
+
+
+def _bad_inputs():
+    q, k, v = make_qkv(2, 6, 7, 4, 2, 8)
+    ids_q, ids_k = torch.zeros(2, 6, dtype=torch.int32), torch.zeros(2, 7, dtype=torch.int32)
+    return [
+        BadInput("number of query heads must be a multiple of the number of kv heads, got N = 4 and K = 3",
+                 (q, torch.randn(2, 7, 3, 8), torch.randn(2, 7, 3, 8))),
+        BadInput(r"key's head dim must equal query's \(8\)", (q, torch.randn(2, 7, 2, 5), v)),
+        BadInput("query must be 4-D", (q[0], k, v)),
+        BadInput("value must be \\[B, S, K, Hv\\] with S and K of key", (q, k, torch.randn(2, 6, 2, 8))),
+        BadInput("query, key and value must have one dtype", (q, k.double(), v)),
+        BadInput("query must be float32, bfloat16, float16 or float64, got Int", (q.int(), k.int(), v.int())),
+        BadInput(r"bias must be broadcastable to \[B, N, T, S\]", (q, k, v, torch.randn(4, 6, 6))),
+        BadInput(r"mask must be broadcastable to \[B, N, T, S\]", (q, k, v, None, torch.ones(3, 4, 6, 7, dtype=torch.bool))),
+        BadInput("mask must be bool", (q, k, v, None, torch.ones(6, 7))),
+        BadInput("q_segment_ids must be int32, got Long", (q, k, v), {"q_segment_ids": ids_q.long(), "kv_segment_ids": ids_k}),
+        BadInput(r"kv_segment_ids must have shape \[B, S\] = \[2, 7\]", (q, k, v),
+                 {"q_segment_ids": ids_q, "kv_segment_ids": ids_q}),
+        BadInput("q_segment_ids and kv_segment_ids must be given together", (q, k, v), {"q_segment_ids": ids_q}),
+        BadInput("logits_soft_cap must be a positive finite number, got 0", (q, k, v), {"logits_soft_cap": 0.0}),
+        BadInput("logits_soft_cap must be a positive finite number, got -1", (q, k, v), {"logits_soft_cap": -1.0}),
+        BadInput(r"local_window_size must be non-negative, got \(-1, 2\)", (q, k, v), {"local_window_size": (-1, 2)}),
+        BadInput(r"local_window_size must be non-negative, got \(2, -1\)", (q, k, v), {"local_window_size": (2, -1)}),
+        BadInput(r"local_window_size must be non-negative, got \(-3, -3\)", (q, k, v), {"local_window_size": -3}),
+        BadInput(r"q_segment_ids must have shape \[B, T\] = \[2, 6\]", (q, k, v),
+                 {"q_segment_ids": ids_k, "kv_segment_ids": ids_k}),
+        BadInput("query_seq_lengths must have B = 2 entries", (q, k, v), {"query_seq_lengths": torch.tensor([1, 2, 3])}),
+        BadInput("key_value_seq_lengths must be int32 or int64", (q, k, v),
+                 {"key_value_seq_lengths": torch.tensor([1.0, 2.0])}),
+        # Value checks: only the kernel reads length values (the reference treats them as masks).
+        BadInput(r"query_seq_lengths must lie in \[0, 6\], got query_seq_lengths\[1\] = 7", (q, k, v),
+                 {"query_seq_lengths": torch.tensor([1, 7])}, kernel_only=True),
+        BadInput(r"key_value_seq_lengths must lie in \[0, 7\], got key_value_seq_lengths\[0\] = -1", (q, k, v),
+                 {"key_value_seq_lengths": torch.tensor([-1, 2])}, kernel_only=True),
+    ]
+
+
+def _square(b, t):
+    return tuple(make_qkv(b, t, t, 4, 2, 8, requires_grad=True)), {"is_causal": True}
+
+
+def _prefill_or_decode(t, s):
+    return tuple(make_qkv(1, t, s, 4, 2, 8, requires_grad=True)), {"is_causal": True}
+
+
+CONTRACT = OpContract(
+    name="dot_product_attention",
+    reference=dpa.reference,
+    kernel=dpa.kernel,
+    samples=[
+        Sample("bias-causal-softcap-float32", _sample(2, 9, 13, 4, 2, 8, bias_shape=(4, 9, 13), is_causal=True,
+                                                      logits_soft_cap=3.0)),
+        Sample("bias-causal-softcap-bfloat16", _sample(2, 9, 13, 4, 2, 8, dtype=torch.bfloat16, bias_shape=(4, 9, 13),
+                                                       is_causal=True, logits_soft_cap=3.0), compile=False),
+        Sample("mask-window-lengths-segments-configs-float32", _masked_sample(torch.float32)),
+        Sample("mask-window-lengths-segments-configs-bfloat16", _masked_sample(torch.bfloat16), compile=False),
+        # The kernel's paths: several query blocks and kv tiles; the row path of decoding.
+        Sample("gqa-causal-softcap", _sample(2, 50, 70, 4, 2, 16, is_causal=True, logits_soft_cap=5.0), reference=False),
+        Sample("decode", _sample(2, 1, 300, 8, 2, 64, scale=0.2), reference=False),
+    ],
+    bad_inputs=_bad_inputs,
+    invalid_configs=[
+        ("expected 3 values", ([16, 64], None)),
+        ("block_kv", ([16, 60, 1], None)),
+        ("bwd_config: dot_product_attention config: block_q", (None, [0, 64, 1])),
+    ],
+    config_samples={
+        "forward": Sample("long-s", _sample(1, 64, 300, 4, 2, 32)),
+        "backward": Sample("long-s", _sample(1, 64, 300, 4, 2, 32)),
+    },
+    dynamic=[
+        DynamicSizes("batch-and-length", _square, [{"b": 3, "t": 10}, {"b": 5, "t": 17}, {"b": 6, "t": 33}],
+                     {"b": (2, 64), "t": (2, 4096)}, lambda d: ({0: d["b"], 1: d["t"]},) * 3),
+        # T and S apart: one program for prefill (T = S), T < S and decode.
+        DynamicSizes("query-and-key-lengths", _prefill_or_decode, [{"t": 24, "s": 40}, {"t": 7, "s": 61}, {"t": 9, "s": 33}],
+                     {"t": (1, 4096), "s": (2, 4096)}, lambda d: ({1: d["t"]}, {1: d["s"]}, {1: d["s"]}),
+                     export_only_sizes=[{"t": 33, "s": 33}, {"t": 1, "s": 90}]),
+    ],
+    determinism_samples=[
+        Sample("causal", _sample(1, 64, 300, 4, 2, 32, is_causal=True, return_residuals=True)),
+        # A bias shared by the batches: its gradient summed in the kernel or after it.
+        Sample("shared-bias", _sample(3, 9, 13, 4, 2, 16, bias_shape=(4, 9, 13), is_causal=True)),
+        Sample("decode-bf16", _sample(2, 1, 300, 8, 2, 64, 96, dtype=torch.bfloat16, logits_soft_cap=2.0)),
+    ],
+)

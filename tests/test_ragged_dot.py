@@ -1,16 +1,26 @@
-"""The shared ragged_dot suite, run against both singletons (reference and kernel)."""
+"""ragged_dot: its contract samples, its float64-oracle numerics and its special cases.
+
+The checks every op owes (opcheck, compile, export, configs, bad inputs, determinism) run in
+tests/test_op_contract.py from CONTRACT below.
+"""
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
 
 import tokamax_torch
+from contract import THREAD_COUNTS, BadInput, DynamicSizes, OpContract, Sample
 from tokamax_torch.ops import ragged_dot as rd
 
 IMPLEMENTATIONS = [rd.reference, rd.kernel]
 # max|out - oracle| / max|oracle|, where the oracle is float64 math on the same (rounded) inputs;
 # bf16/fp16 are dominated by the rounding of the output itself.
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float64: 1e-12}
+
+
+# The reference at the default thread count; the kernel, which promises the same bits at any
+# count, at each of THREAD_COUNTS.
+IMPLEMENTATIONS_AT_THREAD_COUNTS = [(rd.reference, None)] + [(rd.kernel, n) for n in THREAD_COUNTS]
+IMPLEMENTATION_IDS = ["reference"] + [f"kernel-{n}threads" for n in THREAD_COUNTS]
 
 
 @pytest.fixture(params=IMPLEMENTATIONS, ids=lambda impl: impl.name)
@@ -72,7 +82,9 @@ FORMS = {"default": rd.DEFAULT, "trans_rhs": rd.TRANS_RHS, "ragged_contracting":
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
 @pytest.mark.parametrize("m,k,n,g", [(64, 32, 48, 4), (37, 19, 23, 5), (130, 70, 100, 3), (5, 300, 17, 7)])
-def test_matches_float64_oracle(impl, dtype, form, m, k, n, g):
+@pytest.mark.parametrize("impl,num_threads", IMPLEMENTATIONS_AT_THREAD_COUNTS, ids=IMPLEMENTATION_IDS,
+                         indirect=["num_threads"])
+def test_matches_float64_oracle(impl, num_threads, dtype, form, m, k, n, g):
     lhs, rhs, gs = make_operands(form, m, k, n, g, dtype, total=m - m // 5)
     out = impl(lhs, rhs, gs, ragged_dot_dimension_numbers=form)
     assert out.dtype == dtype
@@ -88,13 +100,13 @@ def _supported_tiers():
 
 
 @pytest.mark.parametrize("isa", ISA_TIERS)
-def test_every_isa_tier(impl, isa, monkeypatch):
+def test_every_isa_tier(isa, monkeypatch):
     if isa not in _supported_tiers():
         pytest.skip(f"this CPU has no {isa}")
     monkeypatch.setenv("TOKAMAX_CPU_ISA", isa)
     for form in FORMS.values():
         lhs, rhs, gs = make_operands(form, 45, 33, 29, 4, torch.float32)
-        assert_matches_oracle(impl(lhs, rhs, gs, ragged_dot_dimension_numbers=form), lhs, rhs, gs, form)
+        assert_matches_oracle(rd.kernel(lhs, rhs, gs, ragged_dot_dimension_numbers=form), lhs, rhs, gs, form)
 
 
 def test_preferred_element_type(impl):
@@ -175,29 +187,12 @@ def test_unknown_isa_is_a_clear_error(monkeypatch):
         rd.kernel(lhs, rhs, gs)
 
 
-def test_bitwise_deterministic_across_runs_and_threads(impl):
-    lhs, rhs, gs = make_operands(rd.DEFAULT, 300, 500, 200, 6, torch.float32)
-    first = impl(lhs, rhs, gs)
-    assert torch.equal(first, impl(lhs, rhs, gs))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = impl(lhs, rhs, gs)
-    finally:
-        torch.set_num_threads(threads)
-    if impl is rd.kernel:
-        assert torch.equal(first, single)
-    else:
-        # The reference is at::mm per group: MKL's summation order may depend on the thread
-        # count (on Zen 4 a 10-row group differs in the last bits between 1 and 2 threads), so
-        # only the kernel promises bits across thread counts.
-        torch.testing.assert_close(first, single, rtol=1e-5, atol=1e-5)
-
-
 # ---- autograd -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
-def test_gradients_match_reference(impl, form):
+@pytest.mark.parametrize("impl,num_threads", IMPLEMENTATIONS_AT_THREAD_COUNTS, ids=IMPLEMENTATION_IDS,
+                         indirect=["num_threads"])
+def test_gradients_match_reference(impl, num_threads, form):
     lhs, rhs, gs = make_operands(form, 50, 20, 30, 4, torch.float32, total=44)
     gs[1] = 0
     gs[2] = 44 - gs[0] - gs[3]
@@ -216,7 +211,9 @@ def test_gradients_match_reference(impl, form):
         assert torch.equal(dlhs[44:], torch.zeros_like(dlhs[44:]))  # rows past the total
 
 
-def test_gradcheck_float64(impl):
+# One thread: thousands of tiny calls, whose thread barriers stall on a loaded machine.
+@pytest.mark.parametrize("num_threads", [1], ids=["1thread"], indirect=True)
+def test_gradcheck_float64(impl, num_threads):
     for form in FORMS.values():
         lhs, rhs, gs = make_operands(form, 9, 4, 5, 3, torch.float64, total=8)
         lhs.requires_grad_(True)
@@ -235,88 +232,6 @@ def test_bf16_gradients_with_fp32_output(impl):
     assert lhs.grad.dtype == torch.bfloat16 and rhs.grad.dtype == torch.bfloat16
     want = oracle(torch.ones(32, 24), rhs.detach(), gs, rd.TRANS_RHS)
     assert (lhs.grad.double() - want).abs().max() / want.abs().max() < 1e-2
-
-
-# ---- torch.library / compile / export -----------------------------------------------------------
-
-@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_opcheck(impl, form, dtype):
-    lhs, rhs, gs = make_operands(form, 24, 16, 20, 3, dtype, total=20)
-    lhs.requires_grad_(True)
-    rhs.requires_grad_(True)
-    torch.library.opcheck(impl.op, (lhs, rhs, gs, form.flatten(), None, None, None))
-
-
-def test_opcheck_with_configs(impl):
-    lhs, rhs, gs = make_operands(rd.DEFAULT, 24, 16, 20, 3, torch.float32)
-    cfg = [6, 8, 16, 12, 4]
-    torch.library.opcheck(impl.op, (lhs.requires_grad_(), rhs, gs, None, torch.float32, cfg, cfg))
-
-
-def test_compile_fullgraph_matches_eager(impl):
-    lhs, rhs, gs = make_operands(rd.DEFAULT, 64, 32, 48, 4, torch.float32, total=60)
-
-    def step(a, b):
-        out = impl(torch.tanh(a), b * 2.0, gs)
-        return (out.relu() ** 2).sum()
-
-    compiled = torch.compile(step, fullgraph=True)
-    results = []
-    for fn in (step, compiled):
-        a, b = lhs.clone().requires_grad_(), rhs.clone().requires_grad_()
-        loss = fn(a, b)
-        loss.backward()
-        results.append((loss.detach(), a.grad, b.grad))
-    for eager, comp in zip(*results):
-        torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-5)
-
-
-def test_compile_dynamic_one_graph(impl):
-    counter = CompileCounterWithBackend("inductor")
-
-    @torch.compile(backend=counter, fullgraph=True, dynamic=True)
-    def fn(a, b, gs):
-        return impl(a, b, gs) * 1.5
-
-    rhs = torch.randn(4, 12, 20)  # sizes that no M below equals (duck sizing would merge them)
-    for m in (16, 24, 40):
-        lhs = torch.randn(m, 12)
-        gs = random_group_sizes(m, 4)
-        torch.testing.assert_close(fn(lhs, rhs, gs), impl(lhs, rhs, gs) * 1.5)
-    assert counter.frame_count == 1
-
-
-def test_compile_backward_dynamic(impl):
-    counter = CompileCounterWithBackend("aot_eager")
-
-    @torch.compile(backend=counter, fullgraph=True, dynamic=True)
-    def fn(a, b, gs):
-        return impl(a, b, gs).sum()
-
-    rhs = torch.randn(3, 8, 12, requires_grad=True)
-    for m in (10, 14, 22):  # distinct from K=8, N=12, G=3
-        lhs = torch.randn(m, 8, requires_grad=True)
-        gs = random_group_sizes(m, 3)
-        fn(lhs, rhs, gs).backward()
-        want = oracle(torch.ones(m, 12), rhs.detach(), gs, rd.TRANS_RHS)
-        torch.testing.assert_close(lhs.grad.double(), want, rtol=1e-5, atol=1e-5)
-    assert counter.frame_count == 1
-
-
-def test_export_dynamic_m(impl):
-    class Block(torch.nn.Module):
-        def forward(self, a, b, gs):
-            return impl(a, b, gs)
-
-    lhs, rhs, gs = make_operands(rd.DEFAULT, 32, 16, 8, 4, torch.float32)
-    m = torch.export.Dim("m", min=2, max=4096)
-    exported = torch.export.export(Block(), (lhs, rhs, gs), dynamic_shapes=({0: m}, None, None))
-    out_node = [n for n in exported.graph.nodes if n.op == "call_function"][-1]
-    assert isinstance(out_node.meta["val"].shape[0], torch.SymInt)
-    lhs2 = torch.randn(50, 16)
-    gs2 = random_group_sizes(50, 4)
-    torch.testing.assert_close(exported.module()(lhs2, rhs, gs2), impl(lhs2, rhs, gs2))
 
 
 # ---- configs ------------------------------------------------------------------------------------
@@ -339,29 +254,8 @@ def test_get_configs():
     assert isinstance(big[0], rd.Config) and isinstance(big[1], rd.BackwardConfig)
 
 
-@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
-@pytest.mark.parametrize("m,k,n,g", [(100, 300, 64, 3), (12, 200, 100, 4)])
-def test_no_config_is_the_heuristic_config(impl, form, m, k, n, g):
-    # (12, 200, 100, 4): tiny groups, whose gradient products get very different heuristics.
-    lhs, rhs, gs = make_operands(form, m, k, n, g, torch.float32)
-    lhs.requires_grad_(True)
-    rhs.requires_grad_(True)
-    configs = tokamax_torch.get_configs(impl, lhs, rhs, gs, ragged_dot_dimension_numbers=form)
-    plain = impl(lhs, rhs, gs, ragged_dot_dimension_numbers=form)
-    explicit = impl(lhs, rhs, gs, ragged_dot_dimension_numbers=form, configs=configs)
-    assert torch.equal(plain, explicit)
-    dout = torch.randn_like(plain)
-    assert all(torch.equal(x, y) for x, y in zip(
-        torch.autograd.grad(plain, (lhs, rhs), dout), torch.autograd.grad(explicit, (lhs, rhs), dout)))
-    compiled = torch.compile(lambda a, b: impl(a, b, gs, ragged_dot_dimension_numbers=form), fullgraph=True)
-    torch.testing.assert_close(compiled(lhs, rhs), plain)
-    # Config dataclasses are constants to Dynamo: no graph break, same bits as eager.
-    with_configs = torch.compile(
-        lambda a, b: impl(a, b, gs, ragged_dot_dimension_numbers=form, configs=configs), fullgraph=True)
-    assert torch.equal(with_configs(lhs, rhs), explicit)
-
-
-def test_explicit_backward_configs_are_honoured():
+def test_one_config_or_two_for_the_gradient_products():
+    # bwd as one Config (both gradient products), as a BackwardConfig and as a flat list of both.
     # Long contractions in both gradient products (N=700 for dlhs, 300 rows per group for drhs),
     # so a different block_k changes the summation order of each.
     lhs, rhs, gs = make_operands(rd.DEFAULT, 600, 64, 700, 2, torch.float32)
@@ -379,24 +273,6 @@ def test_explicit_backward_configs_are_honoured():
             assert not torch.equal(x, h)  # the config reached this gradient product
 
 
-def test_explicit_config_is_honoured():
-    lhs, rhs, gs = make_operands(rd.DEFAULT, 120, 1000, 64, 2, torch.float32)
-    heuristic = rd.kernel(lhs, rhs, gs)
-    space = rd.kernel.config_space(lhs, rhs, gs)
-    assert len(space) > 5 and space[0] == tokamax_torch.get_configs(rd.kernel, lhs, rhs, gs)[0]
-    with pytest.raises(ValueError, match="product must be one of"):
-        rd.kernel.config_space(lhs, rhs, gs, product="backward")
-    outputs = []
-    for cfg in space:
-        out = rd.kernel(lhs, rhs, gs, configs=(cfg, None))
-        assert torch.equal(out, rd.kernel(lhs, rhs, gs, configs=(cfg.to_list(), None)))
-        assert_matches_oracle(out, lhs, rhs, gs)
-        outputs.append(out)
-    # A different K blocking sums in another order: some config must change the bits, which
-    # shows the config reaches the kernel.
-    assert any(not torch.equal(out, heuristic) for out in outputs)
-
-
 def test_config_elements_must_be_ints():
     lhs, rhs, gs = make_operands(rd.DEFAULT, 16, 8, 8, 2, torch.float32)
     for bad in ("abc", ["144", 256, 512, 144, 12], [6.0, 8, 16, 6, 0], [True, 8, 16, 6, 0]):
@@ -405,67 +281,89 @@ def test_config_elements_must_be_ints():
 
 
 def test_invalid_config_rejected():
+    # At the call, for both singletons, eager and compiled: CONTRACT.invalid_configs.
     with pytest.raises(RuntimeError, match="block_m must be a multiple of 6"):
         rd.Config(block_m=0, block_k=256, block_n=512, task_m=144, pack_b_min_rows=12)
     with pytest.raises(RuntimeError, match="block_n"):
         rd.Config(block_m=6, block_k=256, block_n=10**9, task_m=6, pack_b_min_rows=12)
     with pytest.raises(TypeError, match="block_k must be an int"):
         rd.Config(block_m=6, block_k=2.5, block_n=16, task_m=6, pack_b_min_rows=12)
-    lhs, rhs, gs = make_operands(rd.DEFAULT, 16, 8, 8, 2, torch.float32)
-    with pytest.raises(RuntimeError, match="expected 5 values"):
-        rd.kernel(lhs, rhs, gs, configs=([6, 8], None))
-    with pytest.raises(RuntimeError, match="task_m"):
-        rd.kernel(lhs, rhs, gs, configs=([6, 8, 16, 7, 0], None))
-    # Backward configs are checked at the forward call, for both singletons, not at backward.
-    for impl in IMPLEMENTATIONS:
-        with pytest.raises(RuntimeError, match="bwd_config must hold 5 values"):
-            impl(lhs.requires_grad_(), rhs, gs, configs=(None, [6, 8, 16]))
-        with pytest.raises(RuntimeError, match="bwd_config: ragged_dot config: block_n"):
-            impl(lhs, rhs, gs, configs=(None, [6, 8, 16, 6, 0, 6, 8, 17, 6, 0]))
-        with pytest.raises(RuntimeError, match="config: ragged_dot config: block_m"):
-            impl(lhs, rhs, gs, configs=([0, 8, 16, 6, 0], None))
-    compiled = torch.compile(lambda a: rd.kernel(a, rhs, gs, configs=([0, 8, 16, 6, 0], None)), fullgraph=True)
-    with pytest.raises(Exception, match="block_m"):
-        compiled(lhs)
 
 
-# ---- bad inputs ---------------------------------------------------------------------------------
+# ---- the op contract (tests/test_op_contract.py) ------------------------------------------------
+
+def _sample(form, dtype, m=24, k=16, n=20, g=3, total=20, grad=(True, True), **kwargs):
+    def make():
+        lhs, rhs, gs = make_operands(form, m, k, n, g, dtype, total=total)
+        return (lhs.requires_grad_(grad[0]), rhs.requires_grad_(grad[1]), gs), {
+            "ragged_dot_dimension_numbers": form, **kwargs}
+    return make
+
 
 def _bad_inputs():
-    f = torch.float32
     gs = torch.tensor([3, 5], dtype=torch.int32)
+    lhs, rhs = torch.randn(8, 4), torch.randn(2, 4, 6)
     return [
-        ("lhs must be 2-D", (torch.randn(2, 8, 4), torch.randn(2, 4, 6), gs), {}),
-        ("rhs must be 3-D", (torch.randn(8, 4), torch.randn(4, 6), gs), {}),
-        (r"rhs.shape\[1\] \(K\) must equal lhs.shape\[1\] = 4, got 5", (torch.randn(8, 4), torch.randn(2, 5, 6), gs), {}),
-        (r"rhs.shape\[0\] \(G\) must equal group_sizes.shape\[0\] = 2, got 3", (torch.randn(8, 4), torch.randn(3, 4, 6), gs), {}),
-        (r"sum\(group_sizes\) must be at most the number of rows of lhs \(8\), got 9",
-         (torch.randn(8, 4), torch.randn(2, 4, 6), torch.tensor([4, 5], dtype=torch.int32)), {}),
-        (r"group_sizes must be non-negative, got group_sizes\[1\] = -1",
-         (torch.randn(8, 4), torch.randn(2, 4, 6), torch.tensor([3, -1], dtype=torch.int32)), {}),
-        ("group_sizes must be int32 or int64, got Float", (torch.randn(8, 4), torch.randn(2, 4, 6), gs.to(f)), {}),
-        ("group_sizes must be 1-D", (torch.randn(8, 4), torch.randn(2, 4, 6), gs[None]), {}),
-        ("lhs and rhs must have the same dtype, got Float and BFloat16",
-         (torch.randn(8, 4), torch.randn(2, 4, 6, dtype=torch.bfloat16), gs), {}),
-        ("lhs must be float32, bfloat16, float16 or float64, got Int",
-         (torch.ones(8, 4, dtype=torch.int32), torch.ones(2, 4, 6, dtype=torch.int32), gs), {}),
-        ("ragged_dot_dimension_numbers must be one of", (torch.randn(8, 4), torch.randn(2, 4, 6), gs),
-         {"ragged_dot_dimension_numbers": (1, 1, 0, 0, 1, 1, 0, 0, 0, 0)}),
-        (r"rhs.shape\[0\] \(M\) must equal lhs.shape\[0\] = 8, got 7", (torch.randn(8, 4), torch.randn(7, 6), gs),
-         {"ragged_dot_dimension_numbers": rd.RAGGED_CONTRACTING}),
-        ("preferred_element_type must be float32, bfloat16, float16 or float64, got Int",
-         (torch.randn(8, 4), torch.randn(2, 4, 6), gs), {"preferred_element_type": torch.int32}),
+        BadInput("lhs must be 2-D", (torch.randn(2, 8, 4), rhs, gs)),
+        BadInput("rhs must be 3-D", (lhs, torch.randn(4, 6), gs)),
+        BadInput(r"rhs.shape\[1\] \(K\) must equal lhs.shape\[1\] = 4, got 5", (lhs, torch.randn(2, 5, 6), gs)),
+        BadInput(r"rhs.shape\[0\] \(G\) must equal group_sizes.shape\[0\] = 2, got 3", (lhs, torch.randn(3, 4, 6), gs)),
+        BadInput(r"sum\(group_sizes\) must be at most the number of rows of lhs \(8\), got 9",
+                 (lhs, rhs, torch.tensor([4, 5], dtype=torch.int32))),
+        BadInput(r"group_sizes must be non-negative, got group_sizes\[1\] = -1",
+                 (lhs, rhs, torch.tensor([3, -1], dtype=torch.int32))),
+        BadInput("group_sizes must be int32 or int64, got Float", (lhs, rhs, gs.float())),
+        BadInput("group_sizes must be 1-D", (lhs, rhs, gs[None])),
+        BadInput("lhs and rhs must have the same dtype, got Float and BFloat16", (lhs, rhs.bfloat16(), gs)),
+        BadInput("lhs must be float32, bfloat16, float16 or float64, got Int", (lhs.int(), rhs.int(), gs)),
+        BadInput("ragged_dot_dimension_numbers must be one of", (lhs, rhs, gs),
+                 {"ragged_dot_dimension_numbers": (1, 1, 0, 0, 1, 1, 0, 0, 0, 0)}),
+        BadInput(r"rhs.shape\[0\] \(M\) must equal lhs.shape\[0\] = 8, got 7", (lhs, torch.randn(7, 6), gs),
+                 {"ragged_dot_dimension_numbers": rd.RAGGED_CONTRACTING}),
+        BadInput("preferred_element_type must be float32, bfloat16, float16 or float64, got Int", (lhs, rhs, gs),
+                 {"preferred_element_type": torch.int32}),
     ]
 
 
-@pytest.mark.parametrize("message,args,kwargs", _bad_inputs(), ids=lambda x: x if isinstance(x, str) else "")
-def test_bad_inputs_raise_before_compute(impl, message, args, kwargs):
-    with pytest.raises(RuntimeError, match=message):
-        impl(*args, **kwargs)
+def _dynamic_rows(m):
+    lhs, rhs = torch.randn(m, 12, requires_grad=True), torch.randn(4, 12, 20, requires_grad=True)
+    return (lhs, rhs, random_group_sizes(m, 4)), {}
 
 
-@pytest.mark.parametrize("message,args,kwargs", _bad_inputs()[:6], ids=lambda x: x if isinstance(x, str) else "")
-def test_bad_inputs_raise_under_compile(impl, message, args, kwargs):
-    compiled = torch.compile(lambda *a: impl(*a, **kwargs), fullgraph=True)
-    with pytest.raises(Exception, match=message):
-        compiled(*args)
+_CONFIG = [6, 8, 16, 12, 4]
+
+CONTRACT = OpContract(
+    name="ragged_dot",
+    reference=rd.reference,
+    kernel=rd.kernel,
+    samples=[
+        *(Sample(f"{name}-{str(dtype)[6:]}", _sample(form, dtype), compile=dtype == torch.float32)
+          for name, form in FORMS.items() for dtype in (torch.float32, torch.bfloat16)),
+        Sample("configs-fp32-out", _sample(rd.DEFAULT, torch.float32, grad=(True, False),
+                                           preferred_element_type=torch.float32, configs=(_CONFIG, _CONFIG))),
+        # Tiny groups, whose gradient products get very different heuristics.
+        *(Sample(f"tiny-groups-{name}", _sample(form, torch.float32, 12, 200, 100, 4, total=None), compile=False,
+                 reference=False) for name, form in FORMS.items()),
+        Sample("long-k", _sample(rd.TRANS_RHS, torch.float32, 100, 300, 64, 3, total=None), reference=False),
+    ],
+    bad_inputs=_bad_inputs,
+    invalid_configs=[
+        ("expected 5 values", ([6, 8], None)),
+        ("task_m", ([6, 8, 16, 7, 0], None)),
+        ("config: ragged_dot config: block_m", ([0, 8, 16, 6, 0], None)),
+        ("bwd_config must hold 5 values", (None, [6, 8, 16])),
+        ("bwd_config: ragged_dot config: block_n", (None, [6, 8, 16, 6, 0, 6, 8, 17, 6, 0])),
+    ],
+    config_samples={
+        # Long contractions: K for the forward; N = 400 for dlhs and 150 rows per group for drhs.
+        "forward": Sample("long-k", _sample(rd.DEFAULT, torch.float32, 120, 1000, 64, 2, total=None)),
+        "dlhs": Sample("long-n", _sample(rd.DEFAULT, torch.float32, 300, 48, 400, 2, total=None)),
+        "drhs": Sample("long-groups", _sample(rd.DEFAULT, torch.float32, 300, 48, 400, 2, total=None)),
+    },
+    dynamic=[DynamicSizes("rows", _dynamic_rows, [{"m": 16}, {"m": 24}, {"m": 40}], {"m": (2, 4096)},
+                          lambda dims: ({0: dims["m"]}, None, None))],
+    determinism_samples=[
+        Sample("default", _sample(rd.DEFAULT, torch.float32, 300, 500, 200, 6, total=None)),
+        Sample("bf16-trans-rhs", _sample(rd.TRANS_RHS, torch.bfloat16, 300, 200, 100, 5, total=280)),
+    ],
+)

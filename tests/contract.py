@@ -1,0 +1,185 @@
+"""What every op family owes, checked the same way for each: the op contract of docs/design.md.
+
+An op's test file declares an ``OpContract``: its two singletons, a few sample calls covering its
+options (at least one with gradients), its bad inputs, its invalid configs, the problems on which
+configs must change the kernel's bits, and how its sizes vary under dynamic shapes.
+``tests/test_op_contract.py`` runs every check below for every declared op; the op's own file keeps
+its float64-oracle numerics and its special cases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+
+#: The thread counts the kernels promise the same bits at (32 oversubscribes a small machine:
+#: slower, never different).
+THREAD_COUNTS = (1, 2, 3, 8, 32)
+
+Call = tuple[tuple, dict]  # positional and keyword arguments of one call of a singleton
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One call of an op: `make()` returns fresh (args, kwargs); leaves that require grad get
+    gradients checked.
+
+    Compiling is the slow part of the suite (seconds per graph, more for the reference, whose ATen
+    ops Inductor fuses): `compile=False` leaves a sample out of the compiled-against-eager check,
+    `reference=False` checks it on the kernel alone (a sample for a path only the kernel has).
+    """
+
+    id: str
+    make: Callable[[], Call]
+    compile: bool = True
+    reference: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class BadInput:
+    """A call that must raise RuntimeError matching `message`, in eager and compiled code.
+
+    kernel_only: a check of tensor values the reference does not make (it treats them as data).
+    """
+
+    message: str
+    args: tuple
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    kernel_only: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicSizes:
+    """An op's calls at varying sizes, for torch.compile(dynamic=True) and torch.export.
+
+    make(**sizes) returns (args, kwargs); `sizes` holds three size dicts that no other dimension
+    equals (duck sizing would merge them), the first also the one exported; `dims` gives each
+    dynamic size's (min, max); `dynamic_shapes(dims)` the export spec of the positional args;
+    the exported program also runs at `export_only_sizes` (sizes such as 1 that compile
+    specializes on).
+    """
+
+    id: str
+    make: Callable[..., Call]
+    sizes: Sequence[dict]
+    dims: dict
+    dynamic_shapes: Callable[[dict], tuple]
+    export_only_sizes: Sequence[dict] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class OpContract:
+    name: str
+    reference: Any
+    kernel: Any
+    samples: Sequence[Sample]
+    bad_inputs: Callable[[], list[BadInput]]
+    #: (message, configs): invalid configs, rejected at the forward call by both singletons.
+    invalid_configs: Sequence[tuple[str, tuple]]
+    #: Per product, a call long enough in that product's contraction that some config of the
+    #: search space changes the kernel's bits (which shows the config reaches the kernel).
+    config_samples: dict[str, Sample]
+    dynamic: Sequence[DynamicSizes]
+    #: Calls large enough that the kernel splits them over threads, forward and backward.
+    determinism_samples: Sequence[Sample]
+    #: rtol = atol between two runs of the same math in fp32 (compiled against eager, kernel
+    #: against reference); the op file's oracle tests hold the real tolerances.
+    tolerance: float = 1e-4
+
+    @property
+    def implementations(self):
+        return (self.reference, self.kernel)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def threads(n: int):
+    """Runs the block at n threads, then restores the count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def leaves(call: Call) -> list[torch.Tensor]:
+    """The tensors of a call that require grad, in argument order."""
+    args, kwargs = call
+    return [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.requires_grad]
+
+
+def first_output(out) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def outputs(out) -> list[torch.Tensor]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def forward_backward(fn, call: Call) -> list[torch.Tensor]:
+    """fn's outputs and, where the call has leaves, the gradients of a fixed weighting (a ramp
+    from -1 to 1) of the first output; fresh leaves each time, so calls never share .grad."""
+    args, kwargs = call
+    fresh = {id(x): x.detach().clone().requires_grad_(True) for x in leaves(call)}
+    swap = lambda x: fresh.get(id(x), x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    args = tuple(swap(x) for x in args)
+    kwargs = {key: swap(x) for key, x in kwargs.items()}
+    out = fn(*args, **kwargs)
+    results = [x.detach() for x in outputs(out)]
+    if fresh:
+        first = first_output(out)
+        weight = torch.linspace(-1, 1, first.numel(), dtype=torch.float64).view(first.shape).to(first.dtype)
+        results += torch.autograd.grad((first * weight).sum(), list(fresh.values()))
+    return results
+
+
+def schema_args(impl, call: Call) -> tuple:
+    """The arguments the singleton passes to its registered op for this call (for opcheck),
+    recorded by a copy of the singleton whose `_op` (the op it calls) is a recorder."""
+    captured = []
+    recorder = copy.copy(impl)
+    recorder._op = lambda *a: captured.append(a) or impl.op(*a)
+    args, kwargs = call
+    recorder(*args, **kwargs)
+    assert len(captured) == 1, "a singleton calls its registered op once"
+    return captured[0]
+
+
+def assert_all_equal(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], what: str) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and g.shape == w.shape, f"{what}: result {i} is {g.dtype}{list(g.shape)}"
+        assert torch.equal(g, w), f"{what}: result {i} differs in its bits"
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def is_low_precision(call: Call) -> bool:
+    args, kwargs = call
+    return any(isinstance(x, torch.Tensor) and x.dtype in LOW_PRECISION for x in (*args, *kwargs.values()))
+
+
+def assert_all_close(got, want, rtol: float, what: str, low_precision: bool = False) -> None:
+    """rtol = atol; at least 2e-2 for bf16/fp16 results or inputs (fused code may keep fp32
+    where eager rounds to bf16)."""
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        rtol_i = max(rtol, 2e-2) if low_precision or g.dtype in LOW_PRECISION else rtol
+        torch.testing.assert_close(g, w, rtol=rtol_i, atol=rtol_i, equal_nan=True,
+                                   msg=lambda m: f"{what}: result {i}: {m}")
+
+
+def with_configs(call: Call, configs) -> Call:
+    args, kwargs = call
+    return args, {**kwargs, "configs": configs}
+
+
+def configs_as_lists(configs) -> tuple:
+    return tuple(None if c is None else c.to_list() for c in configs)

@@ -1,0 +1,217 @@
+"""The op contract, run for every op family that declares one (see tests/contract.py)."""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import tokamax_torch
+import test_dot_product_attention
+import test_ragged_dot
+from contract import (THREAD_COUNTS, assert_all_close, assert_all_equal, configs_as_lists, first_output,
+                      forward_backward, is_low_precision, leaves, schema_args, threads, with_configs)
+
+CONTRACTS = [test_ragged_dot.CONTRACT, test_dot_product_attention.CONTRACT]
+COMPILE_TOLERANCE = 1e-5  # eager against compiled: the same kernels, fused ATen ops around them
+
+
+def _detached(call):
+    args, kwargs = call
+    strip = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731
+    return tuple(strip(x) for x in args), {key: strip(x) for key, x in kwargs.items()}
+
+
+def _impl_samples(compiled=False):
+    return [pytest.param(c, impl, s, id=f"{c.name}-{impl.name}-{s.id}")
+            for c in CONTRACTS for impl in c.implementations for s in c.samples
+            if (impl is c.kernel or s.reference) and (s.compile or not compiled)]
+
+
+def _impl_dynamic(compiled=False):
+    # Compiled, the reference takes the first case only: Inductor takes seconds to fuse its ATen ops.
+    return [pytest.param(c, impl, d, id=f"{c.name}-{impl.name}-{d.id}")
+            for c in CONTRACTS for impl in c.implementations for i, d in enumerate(c.dynamic)
+            if impl is c.kernel or i == 0 or not compiled]
+
+
+def _kernel_samples():
+    return [pytest.param(c, s, id=f"{c.name}-{s.id}") for c in CONTRACTS for s in c.samples]
+
+
+def _products():
+    return [pytest.param(c, p, id=f"{c.name}-{p}") for c in CONTRACTS for p in c.kernel.products]
+
+
+def _invalid_configs():
+    return [pytest.param(c, impl, message, configs, id=f"{c.name}-{impl.name}-{message}")
+            for c in CONTRACTS for impl in c.implementations for message, configs in c.invalid_configs]
+
+
+def _bad_inputs():
+    return [pytest.param(c, impl, bad, id=f"{c.name}-{impl.name}-{bad.message}")
+            for c in CONTRACTS for bad in c.bad_inputs() for impl in c.implementations
+            if impl is c.kernel or not bad.kernel_only]
+
+
+# ---- torch.library ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("contract,impl,sample", _impl_samples())
+def test_opcheck(contract, impl, sample):
+    torch.library.opcheck(impl.op, schema_args(impl, sample.make()))
+
+
+# ---- torch.compile and torch.export -------------------------------------------------------------
+
+@pytest.mark.parametrize("contract,impl,sample", _impl_samples(compiled=True))
+def test_compile_fullgraph_matches_eager(contract, impl, sample):
+    def step(*args, **kwargs):
+        # The op's inputs are intermediates of the graph, not only its inputs.
+        tanh = lambda x: torch.tanh(x) if isinstance(x, torch.Tensor) and x.requires_grad else x  # noqa: E731
+        return impl(*(tanh(x) for x in args), **{key: tanh(x) for key, x in kwargs.items()})
+
+    call = sample.make()
+    eager = forward_backward(step, call)
+    compiled = forward_backward(torch.compile(step, fullgraph=True), call)
+    assert_all_close(compiled, eager, COMPILE_TOLERANCE, "compiled against eager", is_low_precision(call))
+
+
+@pytest.mark.parametrize("contract,impl,dynamic", _impl_dynamic(compiled=True))
+def test_compile_dynamic_is_one_graph(contract, impl, dynamic):
+    forward_counter = CompileCounterWithBackend("inductor")
+    backward_counter = CompileCounterWithBackend("aot_eager")
+    call_op = lambda *args, **kwargs: impl(*args, **kwargs)  # noqa: E731
+    forward = torch.compile(call_op, backend=forward_counter, fullgraph=True, dynamic=True)
+    backward = torch.compile(call_op, backend=backward_counter, fullgraph=True, dynamic=True)
+    for sizes in dynamic.sizes:
+        call = dynamic.make(**sizes)
+        args, kwargs = _detached(call)
+        assert_all_close([first_output(forward(*args, **kwargs))], [first_output(impl(*args, **kwargs))],
+                         COMPILE_TOLERANCE, f"forward at {sizes}")
+        if leaves(call):
+            assert_all_close(forward_backward(backward, call), forward_backward(impl, call), COMPILE_TOLERANCE,
+                             f"backward at {sizes}")
+    assert forward_counter.frame_count == 1, "one graph for every size"
+    assert backward_counter.frame_count == (1 if leaves(call) else 0), "one graph for every size"
+
+
+@pytest.mark.parametrize("contract,impl,dynamic", _impl_dynamic())
+def test_export_with_dynamic_dims(contract, impl, dynamic):
+    args, kwargs = _detached(dynamic.make(**dynamic.sizes[0]))
+    assert not any(isinstance(x, torch.Tensor) for x in kwargs.values()), "export takes tensors positionally"
+
+    class Block(torch.nn.Module):
+        def forward(self, *xs):
+            return impl(*xs, **kwargs)
+
+    dims = {name: torch.export.Dim(name, min=lo, max=hi) for name, (lo, hi) in dynamic.dims.items()}
+    exported = torch.export.export(Block(), args, dynamic_shapes=(dynamic.dynamic_shapes(dims),))
+    out_node = exported.graph.find_nodes(op="output")[0].args[0][0]
+    assert any(isinstance(d, torch.SymInt) for d in first_output(out_node.meta["val"]).shape)
+    if impl is contract.kernel:  # the kernel stays one op in the graph
+        targets = [n.target for n in exported.graph.nodes if n.op == "call_function"]
+        assert contract.kernel.op in targets
+    for sizes in [*dynamic.sizes[1:], *dynamic.export_only_sizes]:
+        args2, kwargs2 = _detached(dynamic.make(**sizes))
+        assert kwargs2 == kwargs
+        assert_all_close([first_output(exported.module()(*args2))], [first_output(impl(*args2, **kwargs))],
+                         COMPILE_TOLERANCE, f"exported at {sizes}")
+
+
+# ---- configs ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("contract,sample", _kernel_samples())
+def test_no_config_is_the_heuristic_config(contract, sample):
+    kernel = contract.kernel
+    args, kwargs = sample.make()
+    kwargs.pop("configs", None)
+    call = (args, kwargs)
+    assert tokamax_torch.get_configs(contract.reference, *args, **kwargs) == (None, None)
+    configs = tokamax_torch.get_configs(kernel, *args, **kwargs)
+    explicit = forward_backward(kernel, with_configs(call, configs))
+    assert_all_equal(forward_backward(kernel, call), explicit, "configs=None against the heuristic configs")
+    # Under torch.compile the config dataclasses are constants (no graph break), the op opaque:
+    # the same bits as eager, with or without configs.
+    args, kwargs = _detached(call)
+    plain = torch.compile(lambda *a: kernel(*a, **kwargs), fullgraph=True)
+    given = torch.compile(lambda *a: kernel(*a, configs=configs, **kwargs), fullgraph=True)
+    n = len(explicit) - len(leaves(call))
+    assert_all_equal(list(torch.utils._pytree.tree_leaves(plain(*args)))[:n], explicit[:n], "compiled, no configs")
+    assert_all_equal(list(torch.utils._pytree.tree_leaves(given(*args)))[:n], explicit[:n], "compiled, configs")
+
+
+@pytest.mark.parametrize("contract,product", _products())
+def test_config_space_starts_with_the_heuristic_config(contract, product):
+    kernel = contract.kernel
+    args, kwargs = contract.config_samples[product].make()
+    space = kernel.config_space(*args, product=product, **kwargs)
+    assert len(space) > 1 and all(isinstance(c, kernel.config_cls) for c in space)
+    assert space[0] == kernel.split_configs(tokamax_torch.get_configs(kernel, *args, **kwargs))[product]
+    with pytest.raises(ValueError, match="product must be one of"):
+        kernel.config_space(*args, product="no such product", **kwargs)
+
+
+@pytest.mark.parametrize("contract,product", _products())
+def test_explicit_configs_are_honoured(contract, product):
+    kernel = contract.kernel
+    call = contract.config_samples[product].make()
+    if product == "forward":
+        call = _detached(call)  # the forward config changes the forward's bits alone
+    args, kwargs = call
+    heuristic = kernel.split_configs(tokamax_torch.get_configs(kernel, *args, **kwargs))
+    want = forward_backward(contract.reference, call)
+    base = forward_backward(kernel, call)
+    changed = False
+    for i, config in enumerate(kernel.config_space(*args, product=product, **kwargs)):
+        configs = kernel.assemble_configs({**heuristic, product: config})
+        got = forward_backward(kernel, with_configs(call, configs))
+        if i < 2:
+            assert_all_equal(forward_backward(kernel, with_configs(call, configs_as_lists(configs))), got,
+                             f"{config} as a Config and as a list")
+        assert_all_close(got, want, contract.tolerance, f"{config} against the reference")
+        # Another blocking sums in another order: some config changes the bits.
+        changed |= any(not torch.equal(g, b) for g, b in zip(got, base))
+    assert changed, f"no {product} config of the search space reached the kernel"
+
+
+@pytest.mark.parametrize("contract,impl,message,configs", _invalid_configs())
+def test_invalid_configs_rejected(contract, impl, message, configs):
+    call = contract.samples[0].make()
+    assert leaves(call), "the first sample has gradients: backward configs are checked at the forward call"
+    args, kwargs = with_configs(call, configs)
+    with pytest.raises(RuntimeError, match=message):
+        impl(*args, **kwargs)
+    if impl is contract.kernel:
+        compiled = torch.compile(lambda *a: impl(*a, **kwargs), fullgraph=True)
+        with pytest.raises(Exception, match=message):
+            compiled(*args)
+
+
+# ---- bad inputs ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("contract,impl,bad", _bad_inputs())
+def test_bad_input_raises_before_compute(contract, impl, bad):
+    with pytest.raises(RuntimeError, match=bad.message):
+        impl(*bad.args, **bad.kwargs)
+
+
+@pytest.mark.parametrize("contract,impl,bad", _bad_inputs())
+def test_bad_input_raises_under_compile(contract, impl, bad):
+    compiled = torch.compile(lambda *a: impl(*a, **bad.kwargs), fullgraph=True)
+    with pytest.raises(Exception, match=bad.message):
+        compiled(*bad.args)
+
+
+# ---- determinism --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_threads", THREAD_COUNTS, ids=lambda n: f"{n}threads", indirect=True)
+@pytest.mark.parametrize("contract,sample", [pytest.param(c, s, id=f"{c.name}-{s.id}")
+                                             for c in CONTRACTS for s in c.determinism_samples])
+def test_kernel_bitwise_deterministic_across_runs_and_threads(contract, sample, num_threads):
+    # Only the kernels promise this: ATen's (the reference's) summation order may follow the
+    # thread count.
+    call = sample.make()
+    first = forward_backward(contract.kernel, call)
+    again = forward_backward(contract.kernel, call)
+    with threads(1):
+        want = forward_backward(contract.kernel, call)
+    assert_all_equal(first, want, f"{num_threads} threads against 1")
+    assert_all_equal(again, first, "a second run")
