@@ -27,6 +27,23 @@ const bool kParallelBackendInstalled = [] {
   return true;
 }();
 
+// ATen runs contiguous float and double exp, log, tanh, ... on oneMKL's VML, one chunk per
+// worker thread. VML picks each function's kernel on that function's first call, and when the
+// first call runs on several threads at once one of them can run a low-accuracy kernel over its
+// whole chunk (pytorch/pytorch#188792; seen here as the reference attention's first softmax off
+// by 1.5e-4 in 1 fresh process in 30-70). A one-element call runs on the calling thread alone,
+// so one per function and dtype at load settles every choice before any parallel call. The
+// functions are those the references (and the ops' ATen fallbacks) use.
+const bool kVmlDispatchSettled = [] {
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    const at::Tensor one = at::full({1}, 0.5, at::TensorOptions().dtype(dtype));
+    for (auto* function : {&at::exp, &at::expm1, &at::log, &at::log1p, &at::tanh, &at::sqrt, &at::erf}) {
+      (void)function(one);
+    }
+  }
+  return true;
+}();
+
 // Facts about this CPU for device_kind() and benchmark reports:
 // [vendor, microarchitecture, active ISA tier, L1d bytes, L2 bytes, L3 bytes].
 std::vector<std::string> CpuDescription() {

@@ -234,15 +234,11 @@ int64_t DotProductAttentionBackwardTasksPerBatch(int64_t q_len, int64_t kv_heads
 
 Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const DotProductAttentionConfig& config) {
   using namespace attention;
-  Status status = config.Validate();
-  if (!status.ok()) return status;
-  Kernels k;
-  status = GetKernels(&k);
-  if (!status.ok()) return status;
   const DotProductAttentionParams& p = g.forward;
-  const Dims d = DimsOf(p);
-  status = CheckTile(config, d.group);
+  Kernels k;
+  Status status = BeginCall(p, config, &k);
   if (!status.ok()) return status;
+  const Dims d = DimsOf(p);
   if (p.lse == nullptr && d.batch * d.q_heads * d.q_len > 0) return Status::Error("dot_product_attention backward: the forward's logsumexp is required");
   if (p.q.dtype == DType::kFloat64) {
     DotProductAttentionBackwardReference(g);

@@ -180,14 +180,10 @@ void FinishRow(const DotProductAttentionParams& p, const Dims& d, int64_t b, int
 
 Status DotProductAttention(const DotProductAttentionParams& p, const DotProductAttentionConfig& config) {
   using namespace attention;
-  Status status = config.Validate();
-  if (!status.ok()) return status;
   Kernels k;
-  status = GetKernels(&k);
+  Status status = BeginCall(p, config, &k);
   if (!status.ok()) return status;
   const Dims d = DimsOf(p);
-  status = CheckTile(config, d.group);
-  if (!status.ok()) return status;
   if (d.batch == 0 || d.q_len == 0 || d.q_heads == 0) return Status::Ok();
   if (p.q.dtype == DType::kFloat64) {
     DotProductAttentionReference(p);

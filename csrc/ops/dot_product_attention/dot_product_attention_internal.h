@@ -58,8 +58,6 @@ inline Dims DimsOf(const DotProductAttentionParams& p) {
   return d;
 }
 
-// The tile of one task, rows (block_q x group) by block_kv keys, must fit the scratch bound.
-Status CheckTile(const DotProductAttentionConfig& config, int64_t group);
 
 // view[i0, i1, i2, e] = scale * values[e] for e < count, converted to the view's dtype (one
 // dtype dispatch per row, not per element).
@@ -146,6 +144,10 @@ struct Kernels {
 };
 
 Status GetKernels(Kernels* kernels);
+
+// What every entry point does first: validates `config` (and that the tile of one task, rows
+// (block_q x group) by block_kv keys, fits the scratch bound) and looks up the tier's kernels.
+Status BeginCall(const DotProductAttentionParams& p, const DotProductAttentionConfig& config, Kernels* kernels);
 
 // Turns st[key][row] = scale·q·k of tile [s0, s0 + keys) into final logits: + bias, soft cap,
 // then -inf where masked. When `tanh_out` is set it receives tanh(logit / cap) (backward).

@@ -11,8 +11,13 @@
 namespace tokamax {
 namespace attention {
 
-Status CheckTile(const DotProductAttentionConfig& config, int64_t group) {
+Status BeginCall(const DotProductAttentionParams& p, const DotProductAttentionConfig& config, Kernels* kernels) {
+  Status status = config.Validate();
+  if (!status.ok()) return status;
+  status = GetKernels(kernels);
+  if (!status.ok()) return status;
   constexpr int64_t kMaxTileFloats = int64_t{1} << 24;  // 64 MiB of fp32 logits
+  const int64_t group = DimsOf(p).group;
   if (config.block_q * group * config.block_kv > kMaxTileFloats) {
     return Status::Error("dot_product_attention config: block_q * (query heads per kv head) * block_kv must be "
                          "at most 2^24, got " + std::to_string(config.block_q) + " * " + std::to_string(group) +
