@@ -1,16 +1,19 @@
 """The op contract, run for every op family that declares one (see tests/contract.py)."""
 
+import importlib
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import tokamax_torch
-import test_dot_product_attention
-import test_ragged_dot
+from tokamax_torch import _registry
 from contract import (THREAD_COUNTS, assert_all_close, assert_all_equal, configs_as_lists, first_output,
                       forward_backward, is_low_precision, leaves, schema_args, threads, with_configs)
 
-CONTRACTS = [test_ragged_dot.CONTRACT, test_dot_product_attention.CONTRACT]
+# Every registered op family owes the contract: its test file, tests/test_<family>.py, declares
+# its CONTRACT. A family without one fails here, so adding an op edits no list.
+CONTRACTS = [importlib.import_module(f"test_{name}").CONTRACT for name in sorted(_registry.families())]
 COMPILE_TOLERANCE = 1e-5  # eager against compiled: the same kernels, fused ATen ops around them
 
 
