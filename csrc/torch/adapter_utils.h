@@ -9,7 +9,7 @@
 #include <sstream>
 #include <string>
 
-#include "csrc/core/dtype.h"
+#include "csrc/core/base/dtype.h"
 
 namespace tokamax {
 

@@ -16,7 +16,7 @@
 #include <tuple>
 #include <vector>
 
-#include "csrc/core/cpu_info.h"
+#include "csrc/core/runtime/cpu_info.h"
 #include "csrc/ops/dot_product_attention/dot_product_attention.h"
 #include "csrc/torch/adapter_utils.h"
 #include "csrc/torch/op_kit.h"

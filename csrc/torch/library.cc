@@ -8,11 +8,11 @@
 #include <string>
 #include <vector>
 
-#include "csrc/core/cpu_info.h"
-#include "csrc/core/isa.h"
-#include "csrc/core/large_buffer.h"
-#include "csrc/core/parallel.h"
-#include "csrc/core/roofline.h"
+#include "csrc/core/runtime/cpu_info.h"
+#include "csrc/core/runtime/isa.h"
+#include "csrc/core/runtime/large_buffer.h"
+#include "csrc/core/runtime/parallel.h"
+#include "csrc/core/runtime/roofline.h"
 
 namespace tokamax {
 namespace {

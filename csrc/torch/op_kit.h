@@ -1,5 +1,5 @@
 // The config plumbing every op adapter shares, generic over the op's Config (a struct written
-// with TOKAMAX_CONFIG_BODY, csrc/core/config_fields.h): parsing the schema's int[] configs,
+// with TOKAMAX_CONFIG_BODY, csrc/core/base/config_fields.h): parsing the schema's int[] configs,
 // picking the heuristic when none is given, and the four config helper ops Python builds its
 // Config classes and the autotuner from. Adapter-only (sees torch).
 //
@@ -23,9 +23,9 @@
 #include <tuple>
 #include <vector>
 
-#include "csrc/core/config_fields.h"
-#include "csrc/core/cpu_info.h"
-#include "csrc/core/dtype.h"
+#include "csrc/core/base/config_fields.h"
+#include "csrc/core/runtime/cpu_info.h"
+#include "csrc/core/base/dtype.h"
 
 namespace tokamax {
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "csrc/core/cpu_info.h"
+#include "csrc/core/runtime/cpu_info.h"
 #include "csrc/torch/adapter_utils.h"
 #include "csrc/torch/op_kit.h"
 #include "csrc/ops/ragged_dot/ragged_dot.h"

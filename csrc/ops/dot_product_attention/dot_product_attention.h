@@ -11,11 +11,11 @@
 #include <limits>
 #include <vector>
 
-#include "csrc/core/config_fields.h"
-#include "csrc/core/cpu_info.h"
-#include "csrc/core/dtype.h"
-#include "csrc/core/status.h"
-#include "csrc/core/strided_view.h"
+#include "csrc/core/base/config_fields.h"
+#include "csrc/core/runtime/cpu_info.h"
+#include "csrc/core/base/dtype.h"
+#include "csrc/core/base/status.h"
+#include "csrc/core/base/strided_view.h"
 
 namespace tokamax {
 

@@ -5,9 +5,9 @@
 #include <memory>
 #include <vector>
 
-#include "csrc/core/gemm_tiles.h"
-#include "csrc/core/large_buffer.h"
-#include "csrc/core/parallel.h"
+#include "csrc/core/gemm/gemm_tiles.h"
+#include "csrc/core/runtime/large_buffer.h"
+#include "csrc/core/runtime/parallel.h"
 #include "csrc/ops/dot_product_attention/dot_product_attention_internal.h"
 
 namespace tokamax {

@@ -5,8 +5,8 @@
 #include <set>
 #include <string>
 
-#include "csrc/core/int_math.h"
-#include "csrc/core/softmax_kernels.h"
+#include "csrc/core/base/int_math.h"
+#include "csrc/core/softmax/softmax_kernels.h"
 #include "csrc/ops/dot_product_attention/dot_product_attention.h"
 
 namespace tokamax {

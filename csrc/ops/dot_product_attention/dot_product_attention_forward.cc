@@ -7,8 +7,8 @@
 #include <memory>
 #include <vector>
 
-#include "csrc/core/gemm_tiles.h"
-#include "csrc/core/parallel.h"
+#include "csrc/core/gemm/gemm_tiles.h"
+#include "csrc/core/runtime/parallel.h"
 #include "csrc/ops/dot_product_attention/dot_product_attention_internal.h"
 
 namespace tokamax {

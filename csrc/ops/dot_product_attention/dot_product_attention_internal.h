@@ -17,12 +17,12 @@
 #include <limits>
 #include <vector>
 
-#include "csrc/core/bf16_gemm.h"
-#include "csrc/core/gemm.h"
-#include "csrc/core/int_math.h"
-#include "csrc/core/softmax_kernels.h"
-#include "csrc/core/status.h"
-#include "csrc/core/strided_view.h"
+#include "csrc/core/gemm/bf16_gemm.h"
+#include "csrc/core/gemm/gemm.h"
+#include "csrc/core/base/int_math.h"
+#include "csrc/core/softmax/softmax_kernels.h"
+#include "csrc/core/base/status.h"
+#include "csrc/core/base/strided_view.h"
 #include "csrc/ops/dot_product_attention/attention_masks.h"
 #include "csrc/ops/dot_product_attention/dot_product_attention.h"
 

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "csrc/core/isa.h"
-#include "csrc/core/parallel.h"
-#include "csrc/core/test_util.h"
+#include "csrc/core/runtime/isa.h"
+#include "csrc/core/runtime/parallel.h"
+#include "csrc/core/base/test_util.h"
 
 namespace tokamax {
 namespace {

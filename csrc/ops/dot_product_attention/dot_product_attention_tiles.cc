@@ -5,7 +5,7 @@
 #include <cmath>
 #include <string>
 
-#include "csrc/core/isa.h"
+#include "csrc/core/runtime/isa.h"
 #include "csrc/ops/dot_product_attention/dot_product_attention_internal.h"
 
 namespace tokamax {

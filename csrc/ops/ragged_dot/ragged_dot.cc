@@ -6,9 +6,9 @@
 #include <atomic>
 #include <vector>
 
-#include "csrc/core/gemm.h"
-#include "csrc/core/isa.h"
-#include "csrc/core/parallel.h"
+#include "csrc/core/gemm/gemm.h"
+#include "csrc/core/runtime/isa.h"
+#include "csrc/core/runtime/parallel.h"
 
 namespace tokamax {
 namespace {

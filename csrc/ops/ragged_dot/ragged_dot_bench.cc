@@ -8,9 +8,9 @@
 #include <thread>
 #include <vector>
 
-#include "csrc/core/cpu_info.h"
-#include "csrc/core/parallel.h"
-#include "csrc/core/test_util.h"
+#include "csrc/core/runtime/cpu_info.h"
+#include "csrc/core/runtime/parallel.h"
+#include "csrc/core/base/test_util.h"
 #include "csrc/ops/ragged_dot/ragged_dot.h"
 
 int main(int argc, char** argv) {

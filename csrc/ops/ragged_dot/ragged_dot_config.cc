@@ -4,8 +4,8 @@
 #include <set>
 #include <string>
 
-#include "csrc/core/gemm.h"
-#include "csrc/core/int_math.h"
+#include "csrc/core/gemm/gemm.h"
+#include "csrc/core/base/int_math.h"
 #include "csrc/ops/ragged_dot/ragged_dot.h"
 
 namespace tokamax {

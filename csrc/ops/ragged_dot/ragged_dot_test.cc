@@ -6,9 +6,9 @@
 #include <tuple>
 #include <vector>
 
-#include "csrc/core/isa.h"
-#include "csrc/core/parallel.h"
-#include "csrc/core/test_util.h"
+#include "csrc/core/runtime/isa.h"
+#include "csrc/core/runtime/parallel.h"
+#include "csrc/core/base/test_util.h"
 
 namespace tokamax {
 namespace {

@@ -1,0 +1,254 @@
+// The avx512bf16 tier's bf16 product engine (DotGemmBf16, vdpbf16ps) and the operand packers
+// shared with the amx tier (bf16_gemm.h). Built with AVX-512 BW/VL/BF16 flags: nothing here
+// runs unless IsaSupported(Isa::kAvx512Bf16), which the amx tier implies.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "csrc/core/gemm/bf16_gemm.h"
+#include "csrc/core/base/dtype.h"
+#include "csrc/core/softmax/softmax_kernels.h"  // kExpFlushBelow, shared with the softmax tiers' exp
+
+namespace tokamax {
+namespace {
+
+// A kRows x (16 * kPanels) block of C over the whole depth, one fp32 accumulator per (row,
+// panel). Each depth pair broadcasts A(i, p), A(i, p + 1) as one 32-bit lane pair and
+// multiplies it into a panel's 16 column pairs with one vdpbf16ps; every element of C sums its
+// pairs in depth order, whatever block it falls in.
+template <int kRows, int kPanels>
+void DotBlock(int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t panel, float* c, int64_t ldc,
+              bool accumulate, float scale) {
+  __m512 acc[kRows][kPanels];
+#pragma GCC unroll 8
+  for (int i = 0; i < kRows; ++i) {
+#pragma GCC unroll 4
+    for (int q = 0; q < kPanels; ++q) {
+      acc[i][q] = accumulate ? _mm512_loadu_ps(c + i * ldc + q * 16) : _mm512_setzero_ps();
+    }
+  }
+  for (int64_t p = 0; p < depth; p += 2) {
+    __m512bh bq[kPanels];
+#pragma GCC unroll 4
+    for (int q = 0; q < kPanels; ++q) {
+      bq[q] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + q * panel + p * 16));
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < kRows; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, a + i * lda + p, sizeof(pair));
+      const __m512bh ai = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+#pragma GCC unroll 4
+      for (int q = 0; q < kPanels; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], ai, bq[q]);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+  const bool scaled = !accumulate && scale != 1.0f;
+#pragma GCC unroll 8
+  for (int i = 0; i < kRows; ++i) {
+#pragma GCC unroll 4
+    for (int q = 0; q < kPanels; ++q) {
+      _mm512_storeu_ps(c + i * ldc + q * 16, scaled ? _mm512_mul_ps(s, acc[i][q]) : acc[i][q]);
+    }
+  }
+}
+
+// kRows-row strips of C, three panels (48 columns) at a time, then the last one or two.
+template <int kRows>
+void DotRows(int64_t n, int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t panel, float* c,
+             int64_t ldc, bool accumulate, float scale) {
+  int64_t j0 = 0;
+  for (; j0 + 48 <= n; j0 += 48) {
+    DotBlock<kRows, 3>(depth, a, lda, b + (j0 / 16) * panel, panel, c + j0, ldc, accumulate, scale);
+  }
+  if (n - j0 == 32) DotBlock<kRows, 2>(depth, a, lda, b + (j0 / 16) * panel, panel, c + j0, ldc, accumulate, scale);
+  if (n - j0 == 16) DotBlock<kRows, 1>(depth, a, lda, b + (j0 / 16) * panel, panel, c + j0, ldc, accumulate, scale);
+}
+
+#include "csrc/core/vec/exp_avx512.inc"
+#include "csrc/core/vec/transpose_avx.inc"
+
+// vpermw index that interleaves two converted rows: out[2i] = lo[i], out[2i + 1] = hi[i].
+__m512i InterleaveOrder() {
+  alignas(64) int16_t order[32];
+  for (int i = 0; i < 16; ++i) {
+    order[2 * i] = static_cast<int16_t>(i);
+    order[2 * i + 1] = static_cast<int16_t>(16 + i);
+  }
+  return _mm512_load_si512(order);
+}
+
+// One VNNI row of a panel: lo and hi (depth steps p and p + 1 of 16 columns) rounded to bf16
+// (cvtne2ps: nearest even, upper half from the first operand) and interleaved.
+inline void StoreVnniPair(__m512 lo, __m512 hi, __m512i interleave, uint16_t* dst) {
+  const __m512i pair = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, pair));
+}
+
+}  // namespace
+
+void DotGemmBf16(int64_t m, int64_t n, int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b, float* c,
+                 int64_t ldc, bool accumulate, float scale) {
+  const int64_t panel = depth * 16;  // elements of one 16-column VNNI panel
+  for (int64_t i0 = 0; i0 < m; i0 += 8) {
+    DotRows<8>(n, depth, a + i0 * lda, lda, b, panel, c + i0 * ldc, ldc, accumulate, scale);
+  }
+}
+
+void PackVnniFromRows(const float* x, int64_t ld, int64_t rows, int64_t depth, int64_t n, uint16_t* dst) {
+  const __m512i interleave = InterleaveOrder();
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t q = 0; q * 16 < n; ++q) {
+    uint16_t* panel = dst + q * depth * 16;
+    for (int64_t p = 0; p < depth; p += 2) {
+      const __m512 lo = p < rows ? _mm512_loadu_ps(x + p * ld + q * 16) : zero;
+      const __m512 hi = p + 1 < rows ? _mm512_loadu_ps(x + (p + 1) * ld + q * 16) : zero;
+      StoreVnniPair(lo, hi, interleave, panel + p * 16);
+    }
+  }
+}
+
+void ExpPackVnni(const float* x, int64_t ld, int64_t rows, int64_t depth, int64_t n, const float* sub, float* sums,
+                    uint16_t* dst) {
+  const __m512i interleave = InterleaveOrder();
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t q = 0; q * 16 < n; ++q) {
+    const __m512 s = _mm512_loadu_ps(sub + q * 16);
+    __m512 total = zero;
+    uint16_t* panel = dst + q * depth * 16;
+    for (int64_t p = 0; p < depth; p += 2) {
+      __m512 lo = zero, hi = zero;
+      if (p < rows) {
+        lo = Exp(_mm512_sub_ps(_mm512_loadu_ps(x + p * ld + q * 16), s));
+        total = _mm512_add_ps(total, lo);
+      }
+      if (p + 1 < rows) {
+        hi = Exp(_mm512_sub_ps(_mm512_loadu_ps(x + (p + 1) * ld + q * 16), s));
+        total = _mm512_add_ps(total, hi);
+      }
+      StoreVnniPair(lo, hi, interleave, panel + p * 16);
+    }
+    _mm512_storeu_ps(sums + q * 16, _mm512_add_ps(_mm512_loadu_ps(sums + q * 16), total));
+  }
+}
+
+void PackVnniPair(const uint16_t* a, const uint16_t* b, int64_t p, int64_t depth, int64_t n, uint16_t* dst) {
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t q = 0; q * 16 < n; ++q) {
+    const __m256i x = a != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + q * 16)) : zero;
+    const __m256i y = b != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + q * 16)) : zero;
+    // unpack works within 128-bit lanes: columns 0-3 and 8-11 low, 4-7 and 12-15 high.
+    const __m256i lo = _mm256_unpacklo_epi16(x, y), hi = _mm256_unpackhi_epi16(x, y);
+    uint16_t* out = dst + q * depth * 16 + p * 16;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute2x128_si256(lo, hi, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), _mm256_permute2x128_si256(lo, hi, 0x31));
+  }
+}
+
+void ConvertRowsBf16(const float* x, int64_t ld, int64_t rows, int64_t pad_rows, int64_t cols, uint16_t* dst,
+                        int64_t ld_dst) {
+  for (int64_t r = 0; r < pad_rows; ++r) {
+    uint16_t* out = dst + r * ld_dst;
+    if (r >= rows) {
+      std::memset(out, 0, cols * sizeof(uint16_t));
+      continue;
+    }
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * ld + c)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), bits);
+    }
+  }
+}
+
+void TransposeBf16(const uint16_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint16_t* dst,
+                      int64_t ld_dst) {
+  // Blocks of 16 rows: the rows are copied contiguous first (read whole, once: rows of one kv
+  // head sit a cache-set stride apart, and revisiting them per column block missed L1), then
+  // each two rows interleave into 32-bit pairs (dst's layout of two adjacent rows) and every
+  // 8 x 8 matrix of pairs is transposed as 32-bit lanes.
+  thread_local std::vector<uint16_t> block;  // grow-only: called per tile on the decode path
+  if (block.size() < static_cast<size_t>(16 * cols)) block.resize(16 * cols);
+  alignas(32) uint32_t pairs[8][8];
+  const bool pairs_fit = ld_dst % 2 == 0 && reinterpret_cast<uintptr_t>(dst) % 4 == 0;
+  int64_t r0 = 0;
+  for (; pairs_fit && r0 + 16 <= rows; r0 += 16) {
+    for (int64_t r = 0; r < 16; ++r) std::memcpy(&block[r * cols], src + (r0 + r) * ld_src, cols * sizeof(uint16_t));
+    int64_t c0 = 0;
+    for (; c0 + 8 <= cols; c0 += 8) {
+      for (int i = 0; i < 8; ++i) {
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&block[(2 * i) * cols + c0]));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&block[(2 * i + 1) * cols + c0]));
+        _mm_store_si128(reinterpret_cast<__m128i*>(&pairs[i][0]), _mm_unpacklo_epi16(a, b));
+        _mm_store_si128(reinterpret_cast<__m128i*>(&pairs[i][4]), _mm_unpackhi_epi16(a, b));
+      }
+      // Shuffles only: the bits pass through the float lanes unchanged.
+      Transpose8x8(reinterpret_cast<const float*>(&pairs[0][0]), 8, reinterpret_cast<float*>(dst + c0 * ld_dst + r0),
+                   ld_dst / 2);
+    }
+    for (int64_t c = c0; c < cols; ++c) {
+      for (int64_t r = 0; r < 16; ++r) dst[c * ld_dst + r0 + r] = block[r * cols + c];
+    }
+  }
+  for (int64_t r = r0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+  }
+}
+
+void PackVnniFromBf16Block(const uint16_t* x, int64_t depth, uint16_t* dst) {
+  // Row j's pairs (p, p + 1) are one 32-bit unit: the panel is the 32-bit transpose of x.
+  const float* src = reinterpret_cast<const float*>(x);
+  float* out = reinterpret_cast<float*>(dst);
+  const int64_t pairs = depth / 2;
+  int64_t p0 = 0;
+  for (; p0 + 8 <= pairs; p0 += 8) {
+    Transpose8x8(src + p0, pairs, out + p0 * 16, 16);
+    Transpose8x8(src + 8 * pairs + p0, pairs, out + p0 * 16 + 8, 16);
+  }
+  for (int64_t p = p0; p < pairs; ++p) {
+    for (int64_t j = 0; j < 16; ++j) std::memcpy(out + p * 16 + j, src + j * pairs + p, sizeof(float));
+  }
+}
+
+void PackVnniFromBf16Vectors(const uint16_t* const vectors[16], int64_t step, int64_t valid_depth, int64_t depth,
+                                uint16_t* dst) {
+  thread_local std::vector<uint16_t> block;  // grow-only
+  if (block.size() < static_cast<size_t>(16 * depth)) block.resize(16 * depth);
+  for (int64_t j = 0; j < 16; ++j) {
+    uint16_t* row = block.data() + j * depth;
+    const uint16_t* src = vectors[j];
+    int64_t p = 0;
+    if (src != nullptr && step == 1) {
+      std::memcpy(row, src, valid_depth * sizeof(uint16_t));
+      p = valid_depth;
+    } else if (src != nullptr) {
+      for (; p < valid_depth; ++p) row[p] = src[p * step];
+    }
+    std::fill(row + p, row + depth, uint16_t{0});
+  }
+  PackVnniFromBf16Block(block.data(), depth, dst);
+}
+
+void CopyBf16(const uint16_t* src, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols,
+                 bool transpose, uint16_t* dst, int64_t ld) {
+  // Copying X transposed is copying Xᵀ as it is: swap the view, then dst[i * ld + j] = Y(i, j).
+  if (transpose) {
+    std::swap(row_stride, col_stride);
+    std::swap(rows, cols);
+  }
+  if (col_stride == 1) {
+    for (int64_t i = 0; i < rows; ++i) std::memcpy(dst + i * ld, src + i * row_stride, cols * sizeof(uint16_t));
+    return;
+  }
+  if (row_stride == 1) {  // Y's columns are contiguous: Y is the transpose of a row-major matrix
+    TransposeBf16(src, col_stride, cols, rows, dst, ld);
+    return;
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) dst[i * ld + j] = src[i * row_stride + j * col_stride];
+  }
+}
+
+}  // namespace tokamax

@@ -1,0 +1,138 @@
+// Packed, register-blocked GEMM core shared by every op: C = A · B on strided matrices of
+// fp32, bf16 or fp16, accumulated in fp32 and written in C's dtype.
+//
+// Blocking follows Goto/BLIS: for each block_n-wide column block and block_k-deep slice of K,
+// B is packed into 16-wide fp32 micro-panels (or read in place when packing would not pay),
+// A is packed block_m rows at a time into 6-row micro-panels, and a 6x16 micro-kernel
+// accumulates into an fp32 tile buffer that is converted into C at the end. The order in
+// which each output element accumulates depends only on block_k and the ISA tier, never on
+// the tiling or the thread count, so results are bitwise reproducible.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "csrc/core/gemm/bf16_gemm.h"
+#include "csrc/core/base/dtype.h"
+#include "csrc/core/runtime/isa.h"
+
+namespace tokamax {
+
+// Granularity of the blocking knobs: block_m is a multiple of kGemmMr and block_n of kGemmNr
+// on every tier. A tier's own tile (GemmKernels::mr x nr) may be larger: avx512 uses 12 x 32,
+// and partial tiles are zero-padded.
+constexpr int64_t kGemmMr = 6;
+constexpr int64_t kGemmNr = 16;
+
+// A rows x cols matrix; element (i, j) is at data + (i * row_stride + j * col_stride) elements.
+struct ConstMatrix {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row_stride = 0;
+  int64_t col_stride = 0;
+};
+
+struct MutableMatrix {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row_stride = 0;
+  int64_t col_stride = 0;
+};
+
+// The activation a GemmEpilogue applies (fp32, after scale and bias).
+enum class Activation {
+  kNone,
+  kRelu,      // max(x, 0)
+  kSilu,      // x · sigmoid(x)
+  kGeluTanh,  // 0.5 x (1 + tanh(sqrt(2/π) (x + 0.044715 x³)))
+};
+
+// What GemmRegion does to each fp32 result r[i][j] = (A·B)[i][j] on its way to C, in this order:
+//   x = scale · r + bias[j];  x = activation(x);  per-row reductions of x;  C[row(i)][j] = x in C's
+//   dtype (the down-cast), row(i) = row_map[i] (a scatter), or i without a map.
+// The reductions keep an online logsumexp per result row i over the columns GemmRegion writes:
+// with row_max[i] = -inf and row_sum[i] = 0 before the first call, after the calls that cover a
+// row's columns row_max[i] = max_j x and row_sum[i] = sum_j exp(x - row_max[i]) (the running max
+// and sum of an online softmax or a fused cross-entropy). Column blocks combine in column order,
+// so calls that split a row's columns between threads need their own arrays. The epilogue runs
+// once per block of results in the tier's store (GemmKernels::store_c_epilogue), never per tile.
+struct GemmEpilogue {
+  float scale = 1.0f;
+  const float* bias = nullptr;      // [C.cols], fp32; null: none
+  Activation activation = Activation::kNone;
+  const int64_t* row_map = nullptr;  // [A.rows] distinct rows of C; null: row i
+  float* row_max = nullptr;          // [A.rows] with row_sum (both or neither); null: no reductions
+  float* row_sum = nullptr;
+};
+
+struct GemmBlocking {
+  int64_t block_m = 96;   // rows of A packed at once (multiple of kGemmMr)
+  int64_t block_k = 256;  // depth of one packed slice of K
+  int64_t block_n = 512;  // columns of B packed at once (multiple of kGemmNr)
+  bool pack_b = true;     // false: read B in place when its columns are contiguous
+};
+
+// The per-ISA routines the driver is built from. Panels are fp32, zero-padded to full tiles.
+struct GemmKernels {
+  int64_t mr;  // rows of the micro-kernel tile
+  int64_t nr;  // columns of the micro-kernel tile
+  // dst[p][i] for p < depth, i < mr: A(row0 + r*mr + i, k0 + p) per mr-row panel r.
+  void (*pack_a)(const ConstMatrix& a, int64_t row0, int64_t rows, int64_t k0, int64_t depth,
+                 float* dst);
+  // dst panel q (q*depth*nr floats): B(k0 + p, col0 + q*nr + j) at [p][j].
+  void (*pack_b)(const ConstMatrix& b, int64_t k0, int64_t depth, int64_t col0, int64_t cols,
+                 float* dst);
+  // c[i][j] (+)= sum_p a[p*lda + i] * b[p*ldb + j] over an mr x nr tile; b's type varies.
+  // lda is mr for a packed panel; a larger lda reads an fp32 matrix whose mr rows at each
+  // depth step are adjacent (a transposed tile) in place, without packing it.
+  void (*micro_f32)(int64_t depth, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+                    int64_t ldc, bool accumulate);
+  void (*micro_bf16)(int64_t depth, const float* a, int64_t lda, const uint16_t* b, int64_t ldb,
+                     float* c, int64_t ldc, bool accumulate);
+  void (*micro_f16)(int64_t depth, const float* a, int64_t lda, const uint16_t* b, int64_t ldb,
+                    float* c, int64_t ldc, bool accumulate);
+  // C(row0 + i, col0 + j) = acc[i * ld + j], converted to C's dtype.
+  void (*store_c)(const float* acc, int64_t ld, int64_t rows, int64_t cols, const MutableMatrix& c,
+                  int64_t row0, int64_t col0);
+  // store_c through a GemmEpilogue: acc holds results row0.. of the region, rewritten in place.
+  void (*store_c_epilogue)(float* acc, int64_t ld, int64_t rows, int64_t cols, const MutableMatrix& c,
+                           int64_t row0, int64_t col0, const GemmEpilogue& epilogue);
+  // The avx512bf16 and amx tiers: bf16 x bf16 products run on the tier's bf16 product engine
+  // (bf16_gemm.h) instead of the fp32 micro-kernels; the tables are otherwise the avx512 tier's.
+  Bf16Products bf16;
+};
+
+const GemmKernels& GetGemmKernels(Isa isa);
+
+// Writes C[m0:m1, n0:n1] = A[m0:m1, :] · B[:, n0:n1] (A is M x K, B is K x N, C is M x N);
+// K == 0 writes zeros. With an `epilogue`, every result goes through it (GemmEpilogue) on its
+// way to C; without one, C gets the products as they are. With a `bf16` engine and bf16 A and B
+// (unless B would be read in place for fewer rows than one 16-row tile), A and B are copied as
+// bf16 (B in VNNI panels) and multiplied by the engine, in the same block_k slices. Runs on the
+// calling thread with thread-local scratch. float64 operands (all three) take a plain
+// double-precision loop instead of the packed fp32 path (the epilogue then in double too).
+void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b,
+                const MutableMatrix& c, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
+                const GemmBlocking& blocking, const GemmEpilogue* epilogue = nullptr);
+
+// The activation of one value, in float or (the float64 path) double.
+template <typename T>
+inline T Activate(Activation activation, T x) {
+  switch (activation) {
+    case Activation::kNone: return x;
+    case Activation::kRelu: return x > T(0) ? x : T(0);
+    case Activation::kSilu: return x / (T(1) + std::exp(-x));
+    case Activation::kGeluTanh:
+      return T(0.5) * x * (T(1) + std::tanh(T(0.7978845608028654) * (x + T(0.044715) * x * x * x)));
+  }
+  return x;
+}
+
+// The same product through plain scalar loops in float64; the oracle of the C++ tests.
+void ReferenceGemm(const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c);
+
+}  // namespace tokamax
