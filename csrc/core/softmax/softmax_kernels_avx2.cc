@@ -68,10 +68,7 @@ inline Vec Exp(Vec x) {
 
 const SoftmaxKernels& SoftmaxKernelsAvx2() {
   using namespace softmax_avx2;
-  static const SoftmaxKernels kernels = {&ColumnMax,        &ExpColumns,         &MaskColumns,
-                                          &ScaleRows,        &TransposePanels,    &SoftmaxGradColumns,
-                                          &KeyDots,          &AccumulateValues,   &ScaleColumns,
-                                          &WidenRow};
+  static const SoftmaxKernels kernels = CommonKernelTable();
   return kernels;
 }
 

@@ -19,10 +19,7 @@ namespace softmax_avx512 {
 
 const SoftmaxKernels& SoftmaxKernelsAvx512() {
   using namespace softmax_avx512;
-  static const SoftmaxKernels kernels = {&ColumnMax,        &ExpColumns,         &MaskColumns,
-                                          &ScaleRows,        &TransposePanels,    &SoftmaxGradColumns,
-                                          &KeyDots,          &AccumulateValues,   &ScaleColumns,
-                                          &WidenRow};
+  static const SoftmaxKernels kernels = CommonKernelTable();
   return kernels;
 }
 

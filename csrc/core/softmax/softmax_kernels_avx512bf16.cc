@@ -183,10 +183,12 @@ void AccumulateValuesBf16(const float* p, int64_t ld_p, int64_t keys, int64_t ro
 
 const SoftmaxKernels& SoftmaxKernelsAvx512Bf16() {
   using namespace softmax_avx512bf16;
-  static const SoftmaxKernels kernels = {&ColumnMax,        &ExpColumns,         &MaskColumns,
-                                          &ScaleRows,        &TransposePanels,    &SoftmaxGradColumns,
-                                          &KeyDots,          &AccumulateValues,   &ScaleColumns,
-                                          &WidenRow,         &KeyDotsBf16,        &AccumulateValuesBf16};
+  static const SoftmaxKernels kernels = [] {
+    SoftmaxKernels table = CommonKernelTable();
+    table.key_dots_bf16 = &KeyDotsBf16;
+    table.accumulate_values_bf16 = &AccumulateValuesBf16;
+    return table;
+  }();
   return kernels;
 }
 

@@ -33,10 +33,7 @@ constexpr int64_t kAccumulatorRegisters = 8;
 
 const SoftmaxKernels& SoftmaxKernelsScalar() {
   using namespace softmax_scalar;
-  static const SoftmaxKernels kernels = {&ColumnMax,        &ExpColumns,         &MaskColumns,
-                                          &ScaleRows,        &TransposePanels,    &SoftmaxGradColumns,
-                                          &KeyDots,          &AccumulateValues,   &ScaleColumns,
-                                          &WidenRow};
+  static const SoftmaxKernels kernels = CommonKernelTable();
   return kernels;
 }
 
