@@ -5,7 +5,7 @@ a few KiB of working memory to tens of MiB) is first run alone, one after the ot
 them run again from worker threads, several rounds in a shuffled order, while another thread
 empties the kernels' buffer cache now and then, and each result must equal its lone run bit for
 bit. The large calls take their working buffers from the process-wide cache of mappings
-(csrc/core/large_buffer.h), so buffers freed by one call are reused by calls of other sizes on
+(csrc/core/runtime/large_buffer.h), so buffers freed by one call are reused by calls of other sizes on
 other threads; a kernel that writes into a buffer after releasing it, or reads one it does not
 own, shows up here as changed bits.
 

@@ -1,7 +1,7 @@
 """Kernel configs: frozen dataclasses built at import from the C++ field lists.
 
 Each op writes its Config's fields once, in C++ (an X-macro in ``csrc/ops/<op>/<op>.h``, see
-``csrc/core/config_fields.h``). The library's ``_<op>_config_fields`` op reports the field names
+``csrc/core/base/config_fields.h``). The library's ``_<op>_config_fields`` op reports the field names
 in the order the schema's ``int[]`` takes them, a description of each, and the op's products;
 ``config_class`` makes the op's ``Config`` dataclass from them, so no field name is written in
 Python and the two cannot drift. Every instance is validated by the C++ ``Validate()`` when it is
