@@ -10,7 +10,7 @@
 
 #include "csrc/core/gemm/bf16_gemm.h"
 #include "csrc/core/base/dtype.h"
-#include "csrc/core/softmax/softmax_kernels.h"  // kExpFlushBelow, shared with the softmax tiers' exp
+#include "csrc/core/vec/vec.h"  // Exp: the softmax tiers' polynomial, bit for bit
 
 namespace tokamax {
 namespace {
@@ -68,8 +68,8 @@ void DotRows(int64_t n, int64_t depth, const uint16_t* a, int64_t lda, const uin
   if (n - j0 == 16) DotBlock<kRows, 1>(depth, a, lda, b + (j0 / 16) * panel, panel, c + j0, ldc, accumulate, scale);
 }
 
-#include "csrc/core/vec/exp_avx512.inc"
-#include "csrc/core/vec/transpose_avx.inc"
+using TOKAMAX_TIER_NAMESPACE::Exp;
+using TOKAMAX_TIER_NAMESPACE::Transpose8x8;
 
 // vpermw index that interleaves two converted rows: out[2i] = lo[i], out[2i + 1] = hi[i].
 __m512i InterleaveOrder() {

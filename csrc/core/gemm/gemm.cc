@@ -11,18 +11,17 @@
 #include <vector>
 
 #include "csrc/core/base/int_math.h"
+#include "csrc/core/vec/tiers.h"
 
 namespace tokamax {
 
-const GemmKernels& GemmKernelsScalar();
-const GemmKernels& GemmKernelsAvx2();
-const GemmKernels& GemmKernelsAvx512();
+TOKAMAX_DECLARE_IN_TIERS(const GemmKernels& GemmKernelTable();)
 
 namespace {
 
 // The avx512 table with the tier's bf16 product engine.
 [[maybe_unused]] GemmKernels WithBf16Products(Isa isa) {
-  GemmKernels table = GemmKernelsAvx512();
+  GemmKernels table = tier_avx512::GemmKernelTable();
   table.bf16 = GetBf16Products(isa);
   return table;
 }
@@ -45,14 +44,14 @@ const GemmKernels& GetGemmKernels(Isa isa) {
     }
 #endif
 #ifdef TOKAMAX_HAVE_AVX512
-    case Isa::kAvx512: return GemmKernelsAvx512();
+    case Isa::kAvx512: return tier_avx512::GemmKernelTable();
 #endif
 #ifdef TOKAMAX_HAVE_AVX2
-    case Isa::kAvx2: return GemmKernelsAvx2();
+    case Isa::kAvx2: return tier_avx2::GemmKernelTable();
 #endif
     default: break;
   }
-  return GemmKernelsScalar();
+  return tier_scalar::GemmKernelTable();
 }
 
 namespace {

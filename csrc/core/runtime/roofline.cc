@@ -3,47 +3,40 @@
 #include <chrono>
 
 #include "csrc/core/runtime/cpu_info.h"
+#include "csrc/core/vec/tiers.h"
 
 namespace tokamax {
 
-double FmaPeakAvx2(int64_t iterations);
-double FmaPeakAvx512(int64_t iterations);
-double AmxBf16Peak(int64_t iterations);
-double DotBf16Peak(int64_t iterations);
+TOKAMAX_DECLARE_IN_TIERS(double FmaPeak(int64_t iterations); double Bf16ProductPeak(int64_t iterations);)
 
 double MeasureFmaPeakGflops(Isa isa, int64_t iterations) {
+  switch (isa) {
 #ifdef TOKAMAX_HAVE_AVX512
-  if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16 || isa == Isa::kAmx) return FmaPeakAvx512(iterations);  // fp32 FMA peak
+    case Isa::kAvx512:
+    case Isa::kAvx512Bf16:
+    case Isa::kAmx: return tier_avx512::FmaPeak(iterations);  // the fp32 FMA peak
 #endif
 #ifdef TOKAMAX_HAVE_AVX2
-  if (isa == Isa::kAvx2) return FmaPeakAvx2(iterations);
+    case Isa::kAvx2: return tier_avx2::FmaPeak(iterations);
 #endif
-  // Scalar tier: 12 independent scalar chains.
-  float acc[12];
-  for (int i = 0; i < 12; ++i) acc[i] = 0.001f * i;
-  const auto start = std::chrono::steady_clock::now();
-  for (int64_t it = 0; it < iterations; ++it) {
-    for (int i = 0; i < 12; ++i) acc[i] = acc[i] * 0.999999f + 1e-7f;
+    default: break;
   }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  volatile float sink = 0.0f;
-  for (int i = 0; i < 12; ++i) sink = sink + acc[i];
-  return static_cast<double>(iterations) * 12 * 2 / seconds * 1e-9;
+  return tier_scalar::FmaPeak(iterations);
 }
 
 double MeasureBf16ProductPeakGflops(Isa isa, int64_t iterations) {
 #ifdef TOKAMAX_HAVE_AMX
-  if (isa == Isa::kAmx) return AmxBf16Peak(iterations);
+  if (isa == Isa::kAmx) return tier_amx::Bf16ProductPeak(iterations);
 #endif
 #ifdef TOKAMAX_HAVE_AVX512BF16
-  if (isa == Isa::kAvx512Bf16) return DotBf16Peak(iterations);
+  if (isa == Isa::kAvx512Bf16) return tier_avx512bf16::Bf16ProductPeak(iterations);
 #endif
   return 0.0;
 }
 
 double MeasureFmaPeakAvx512Gflops(int64_t iterations) {
 #ifdef TOKAMAX_HAVE_AVX512
-  if (GetCpuInfo().avx512f) return FmaPeakAvx512(iterations);
+  if (GetCpuInfo().avx512f) return tier_avx512::FmaPeak(iterations);
 #endif
   return 0.0;
 }

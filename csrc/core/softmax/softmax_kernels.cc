@@ -4,31 +4,27 @@
 #include <cmath>
 #include <limits>
 
+#include "csrc/core/vec/tiers.h"
+
 namespace tokamax {
 
-const SoftmaxKernels& SoftmaxKernelsScalar();
-const SoftmaxKernels& SoftmaxKernelsAvx2();
-const SoftmaxKernels& SoftmaxKernelsAvx512();
-const SoftmaxKernels& SoftmaxKernelsAvx512Bf16();
+TOKAMAX_DECLARE_IN_TIERS(const SoftmaxKernels& SoftmaxKernelTable();)
 
-// A tier this build lacks (IsaBuilt) gets the scalar table.
+// A tier this build lacks (IsaBuilt) gets the scalar table. The avx512bf16 and amx tiers add
+// nothing to fp32 column loops: they run the avx512 one.
 const SoftmaxKernels& GetSoftmaxKernels(Isa isa) {
   switch (isa) {
 #ifdef TOKAMAX_HAVE_AVX512
-    // The amx tier keeps the widening row products: on the Intel VM it was measured on,
-    // vdpbf16ps ran at half the FMA's rate per multiply-add, and the dot version was slower.
     case Isa::kAvx512:
-    case Isa::kAmx: return SoftmaxKernelsAvx512();
-#endif
-#ifdef TOKAMAX_HAVE_AVX512BF16
-    case Isa::kAvx512Bf16: return SoftmaxKernelsAvx512Bf16();
+    case Isa::kAvx512Bf16:
+    case Isa::kAmx: return tier_avx512::SoftmaxKernelTable();
 #endif
 #ifdef TOKAMAX_HAVE_AVX2
-    case Isa::kAvx2: return SoftmaxKernelsAvx2();
+    case Isa::kAvx2: return tier_avx2::SoftmaxKernelTable();
 #endif
     default: break;
   }
-  return SoftmaxKernelsScalar();
+  return tier_scalar::SoftmaxKernelTable();
 }
 
 void UpdateRunningMax(const SoftmaxKernels& kernels, const float* x, int64_t rows, int64_t ld, int64_t cols,

@@ -1,5 +1,4 @@
-// Attention's vector pieces, one set per ISA tier: column-wise softmax on fp32 tiles, and the
-// row-wise products of the few-row (decode) path.
+// Column-wise softmax pieces on fp32 tiles, one table per ISA tier (softmax_kernels_tiered.cc).
 //
 // Attention keeps its logits transposed, x[key][query row] (keys are the rows of the GEMM that
 // makes them), so every per-query reduction runs down a column and vectorizes across queries
@@ -13,9 +12,6 @@
 #include "csrc/core/runtime/isa.h"
 
 namespace tokamax {
-
-// Inputs below this give exp() == 0 exactly (masked logits are -inf); every tier flushes here.
-constexpr float kExpFlushBelow = -87.0f;
 
 struct SoftmaxKernels {
   // max[c] = max(max[c], x[r][c]) over r < rows.
@@ -34,40 +30,12 @@ struct SoftmaxKernels {
   // dp[r][c] = p[r][c] * (dp[r][c] - d[c]): the softmax gradient given dp = dO·Vᵀ.
   void (*softmax_grad_columns)(const float* p, float* dp, int64_t rows, int64_t ld, int64_t cols,
                                const float* d);
-  // st[j * ld_st + r] = sum_h key[j][h] * q[r][h] for j < keys, r < rows (at most
-  // kMaxRowDotRows): key rows of `dtype` at key + j * ld_key, contiguous along h; q fp32 rows
-  // of length depth at q + r * ld_q. Reads each key row once.
-  // The row products take `next`, null or rows of the same shape and stride as the ones they
-  // read (the caller's next run; which rows come next is the caller's to know), and ask for
-  // them into L2 as they go, one prefetch beside each vector they load, so the requests go out
-  // spread across the multiply-adds rather than in a burst before them. They never read `next`.
-  void (*key_dots)(DType dtype, const void* key, int64_t ld_key, int64_t keys, int64_t depth, const float* q,
-                   int64_t ld_q, int64_t rows, float* st, int64_t ld_st, const void* next);
-  // acc[r][e] += sum_j p[j * ld_p + r] * value[j][e] for r < rows, e < width: value rows of
-  // `dtype` at value + j * ld_value, contiguous along e; acc fp32 rows at acc + r * ld_acc.
-  void (*accumulate_values)(DType dtype, const float* p, int64_t ld_p, int64_t keys, int64_t rows,
-                            const void* value, int64_t ld_value, int64_t width, float* acc, int64_t ld_acc,
-                            const void* next);
   // x[r][c] *= scale[c] for r < rows, c < cols: scale_rows for a transposed accumulator.
   void (*scale_columns)(float* x, int64_t ld, int64_t rows, int64_t cols, const float* scale);
   // dst[h] = scale * x[h] for h < count: one contiguous row of `dtype` widened to fp32, the same
   // bits as the scalar product (attention gathers its q, dO and out rows this way).
   void (*widen_row)(DType dtype, const void* x, int64_t count, float scale, float* dst);
-  // The row products for bf16 K, V and queries on the AVX512-BF16 dot instruction, pairs of
-  // elements per multiply-add (the avx512bf16 tier; null on the others). depth and width are
-  // multiples of 32, rows at most kMaxRowDotRows.
-  // st[j * ld_st + r] = scale * sum_h key[j][h] * q[r][h]: key_dots with bf16 query rows
-  // (unscaled, so exact) at q + r * ld_q.
-  void (*key_dots_bf16)(const uint16_t* key, int64_t ld_key, int64_t keys, int64_t depth, const uint16_t* q,
-                        int64_t ld_q, int64_t rows, float scale, float* st, int64_t ld_st,
-                        const uint16_t* next) = nullptr;
-  // accumulate_values of bf16 value rows with p rounded to bf16 (as the bf16 engine's P·V).
-  void (*accumulate_values_bf16)(const float* p, int64_t ld_p, int64_t keys, int64_t rows, const uint16_t* value,
-                                 int64_t ld_value, int64_t width, float* acc, int64_t ld_acc,
-                                 const uint16_t* next) = nullptr;
 };
-
-constexpr int64_t kMaxRowDotRows = 8;
 
 const SoftmaxKernels& GetSoftmaxKernels(Isa isa);
 

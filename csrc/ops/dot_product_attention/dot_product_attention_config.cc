@@ -6,7 +6,7 @@
 #include <string>
 
 #include "csrc/core/base/int_math.h"
-#include "csrc/core/softmax/softmax_kernels.h"
+#include "csrc/ops/dot_product_attention/attention_row_products.h"
 #include "csrc/ops/dot_product_attention/dot_product_attention.h"
 
 namespace tokamax {
@@ -72,7 +72,7 @@ DotProductAttentionConfig DotProductAttentionHeuristicConfig(const DotProductAtt
   const int64_t q_blocks = CeilDiv(std::max<int64_t>(shape.q_len, 1), config.block_q);
   // Decode-sized calls take the row path (no GEMM tiles): a single block of at most
   // kMaxRowDotRows rows.
-  const bool row_path = q_blocks == 1 && config.block_q * group <= kMaxRowDotRows;
+  const bool row_path = q_blocks == 1 && config.block_q * group <= attention::kMaxRowDotRows;
   if (!row_path) config.block_kv = KvTileKeys(config.block_kv, dtype);
   const int64_t kv_blocks = CeilDiv(std::max<int64_t>(shape.kv_len, 1), config.block_kv);
   const int64_t heads = std::max<int64_t>(shape.batch * shape.kv_heads, 1);

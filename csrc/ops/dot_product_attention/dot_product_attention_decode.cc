@@ -44,7 +44,7 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
   const int64_t head_dim = d.head_dim, value_dim = d.value_dim;
   // bf16 q, k and v with head dims of whole 32-element steps take the tier's bf16 row products
   // where it has them (avx512bf16), with q's rows as they are and the scale applied to st.
-  const bool bf16_rows = k.softmax->key_dots_bf16 != nullptr && p.q.dtype == DType::kBFloat16 &&
+  const bool bf16_rows = k.rows->key_dots_bf16 != nullptr && p.q.dtype == DType::kBFloat16 &&
                          p.k.dtype == DType::kBFloat16 && p.v.dtype == DType::kBFloat16 && head_dim % 32 == 0 &&
                          value_dim % 32 == 0;
   float* q = nullptr;  // row r: scale · q[t(r), n(r)]
@@ -124,11 +124,11 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
     for_runs(p.k, p.v, s0, s0 + keys, [&](int64_t h, int64_t r0, int64_t j0, int64_t n, const void* next) {
       const void* key = p.k.At(rows.b, s0 + j0, h, 0);
       if (bf16_rows) {
-        k.softmax->key_dots_bf16(static_cast<const uint16_t*>(key), p.k.strides[1], n, head_dim,
+        k.rows->key_dots_bf16(static_cast<const uint16_t*>(key), p.k.strides[1], n, head_dim,
                                  q_bf16 + r0 * head_dim, head_dim, d.group, p.scale, st + j0 * cols + r0, cols,
                                  static_cast<const uint16_t*>(next));
       } else {
-        k.softmax->key_dots(p.k.dtype, key, p.k.strides[1], n, head_dim, q + r0 * head_dim, head_dim, d.group,
+        k.rows->key_dots(p.k.dtype, key, p.k.strides[1], n, head_dim, q + r0 * head_dim, head_dim, d.group,
                             st + j0 * cols + r0, cols, next);
       }
     });
@@ -139,11 +139,11 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
     for_runs(p.v, p.k, s0 + block, kv_end, [&](int64_t h, int64_t r0, int64_t j0, int64_t n, const void* next) {
       const void* value = p.v.At(rows.b, s0 + j0, h, 0);
       if (bf16_rows) {
-        k.softmax->accumulate_values_bf16(st + j0 * cols + r0, cols, n, d.group, static_cast<const uint16_t*>(value),
+        k.rows->accumulate_values_bf16(st + j0 * cols + r0, cols, n, d.group, static_cast<const uint16_t*>(value),
                                           p.v.strides[1], value_dim, acc + r0 * value_dim, value_dim,
                                           static_cast<const uint16_t*>(next));
       } else {
-        k.softmax->accumulate_values(p.v.dtype, st + j0 * cols + r0, cols, n, d.group, value, p.v.strides[1],
+        k.rows->accumulate_values(p.v.dtype, st + j0 * cols + r0, cols, n, d.group, value, p.v.strides[1],
                                      value_dim, acc + r0 * value_dim, value_dim, next);
       }
     });

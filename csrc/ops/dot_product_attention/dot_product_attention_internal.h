@@ -24,6 +24,7 @@
 #include "csrc/core/base/status.h"
 #include "csrc/core/base/strided_view.h"
 #include "csrc/ops/dot_product_attention/attention_masks.h"
+#include "csrc/ops/dot_product_attention/attention_row_products.h"
 #include "csrc/ops/dot_product_attention/dot_product_attention.h"
 
 namespace tokamax {
@@ -140,6 +141,7 @@ void ForEachVisibleTile(const AttentionMasks& m, RowMasks& rm, int64_t b, int64_
 struct Kernels {
   const GemmKernels* gemm;
   const SoftmaxKernels* softmax;
+  const RowProducts* rows;  // the decode path's row products
   Bf16Products bf16;  // the tier's bf16 product engine, if it has one (bf16_gemm.h)
 };
 

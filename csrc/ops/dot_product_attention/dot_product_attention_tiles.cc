@@ -137,6 +137,7 @@ Status GetKernels(Kernels* kernels) {
   if (!status.ok()) return status;
   kernels->gemm = &GetGemmKernels(isa);
   kernels->softmax = &GetSoftmaxKernels(isa);
+  kernels->rows = &GetRowProducts(isa);
   kernels->bf16 = GetBf16Products(isa);
   return Status::Ok();
 }

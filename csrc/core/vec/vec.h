@@ -1,0 +1,86 @@
+// The vector layer: one small set of fp32 vector primitives per ISA tier that a kernel family
+// is written against once. A tiered source (`*_tiered.cc`, see CMakeLists.txt's
+// tokamax_tier_sources) is compiled once per tier it lists, each time with that tier's flags,
+// TOKAMAX_TIER_<NAME> and TOKAMAX_TIER_NAMESPACE (tier_scalar, tier_avx2, ...) defined; this
+// header then declares, inside namespace tokamax::TOKAMAX_TIER_NAMESPACE:
+//
+//   Vec, kLanes (1, 8 or 16; 16 is divisible by it), kAccumulatorRegisters (vectors a product
+//     may keep in registers)
+//   Load/Store(p), LoadPartial/StorePartial(p, n) (the first n < kLanes lanes; loads zero the
+//     rest, stores leave memory past n untouched), Set1, Zero
+//   Add, Sub, Mul, Min, Max, Fma(a, b, c) = a·b + c, FmaBroadcast(const float* a, b, c) = *a·b + c
+//   Exp (flushes below kExpFlushBelow to exactly 0; the same polynomial on every SIMD tier)
+//   InRange(x, r, lo, hi): x where lo <= r < hi lane by lane, -inf elsewhere
+//   ReduceAdd/ReduceMax(v) (one fixed order), SumLanes(v) (lane i = the sum of v[i]'s lanes,
+//     for kLanes vectors)
+//   LoadWiden(p) (kLanes float, BFloat16Bits, Float16Bits or double elements as fp32 lanes),
+//   LoadWidenPartial(p, n), StoreNarrow(p, v) (fp32 lanes to float, BFloat16Bits or Float16Bits,
+//     round to nearest even, NaN kept NaN: the bits of StoreFromFloat)
+//   Transpose8x8 / Transpose4x8(src, ld_src, dst, ld_dst): dst[l][j] = src[j][l], l < 8
+//   PrefetchToL2(p) (a hint; none on the scalar tier)
+//
+// Every tier gives the same results as the scalar tier up to the order of sums (fixed per
+// tier) and exp's last bits, so results are bitwise reproducible per tier. The code lives in
+// the tier's namespace because every tier's copy of an inline function must stay apart: the
+// linker would otherwise keep one copy, compiled with one tier's flags, for all of them.
+#pragma once
+
+#if !defined(TOKAMAX_TIER_NAMESPACE)
+#error "csrc/core/vec/vec.h is for tiered sources (*_tiered.cc), compiled once per tier by CMake"
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "csrc/core/base/dtype.h"
+#include "csrc/core/base/int_math.h"
+
+#if !defined(TOKAMAX_TIER_SCALAR)
+#include <immintrin.h>
+#endif
+
+namespace tokamax {
+
+// Inputs below this give exp() == 0 exactly (masked logits are -inf); every tier flushes here.
+constexpr float kExpFlushBelow = -87.0f;
+
+namespace TOKAMAX_TIER_NAMESPACE {
+
+#if defined(TOKAMAX_TIER_SCALAR)
+#include "csrc/core/vec/vec_scalar.inc"
+#elif defined(TOKAMAX_TIER_AVX2)
+#include "csrc/core/vec/vec_avx2.inc"
+#elif defined(TOKAMAX_TIER_AVX512) || defined(TOKAMAX_TIER_AVX512BF16) || defined(TOKAMAX_TIER_AMX)
+#include "csrc/core/vec/vec_avx512.inc"
+#else
+#error "unknown tier"
+#endif
+
+// Shared by every tier: defined on the primitives above.
+inline Vec Zero() { return Set1(0.0f); }
+
+// double rows (the reference dtype, never on a hot path) widen lane by lane.
+inline Vec LoadWiden(const double* p) {
+  float lanes[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) lanes[l] = static_cast<float>(p[l]);
+  return Load(lanes);
+}
+
+// The first `count` (< kLanes) elements as fp32 lanes, the rest zero: tails.
+template <typename T>
+inline Vec LoadWidenPartial(const T* p, int64_t count) {
+  float lanes[kLanes] = {};
+  for (int64_t l = 0; l < count; ++l) lanes[l] = LoadAsFloat(p + l);
+  return Load(lanes);
+}
+
+inline void StoreNarrow(double* p, Vec v) {
+  float lanes[kLanes];
+  Store(lanes, v);
+  for (int64_t l = 0; l < kLanes; ++l) p[l] = lanes[l];
+}
+
+}  // namespace TOKAMAX_TIER_NAMESPACE
+}  // namespace tokamax

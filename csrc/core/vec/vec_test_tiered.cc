@@ -1,0 +1,205 @@
+// The vector layer (vec.h) on every tier this build has, against the scalar definitions: each
+// primitive on values that exercise its edges (tails, NaN, infinities, rounding ties,
+// subnormals). Compiled once per tier; a tier the CPU lacks skips.
+// tokamax-tiers: scalar avx2 avx512 avx512bf16 amx
+#include "csrc/core/vec/vec.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "csrc/core/runtime/cpu_info.h"
+#include "csrc/core/runtime/isa.h"
+
+#define TOKAMAX_VEC_CAT2(a, b) a##_##b
+#define TOKAMAX_VEC_CAT(a, b) TOKAMAX_VEC_CAT2(a, b)
+#define TOKAMAX_VEC_SUITE TOKAMAX_VEC_CAT(VecTest, TOKAMAX_TIER_NAMESPACE)
+
+namespace tokamax {
+namespace TOKAMAX_TIER_NAMESPACE {
+namespace {
+
+#if defined(TOKAMAX_TIER_SCALAR)
+constexpr Isa kIsa = Isa::kScalar;
+#elif defined(TOKAMAX_TIER_AVX2)
+constexpr Isa kIsa = Isa::kAvx2;
+#elif defined(TOKAMAX_TIER_AVX512)
+constexpr Isa kIsa = Isa::kAvx512;
+#elif defined(TOKAMAX_TIER_AVX512BF16)
+constexpr Isa kIsa = Isa::kAvx512Bf16;
+#else
+constexpr Isa kIsa = Isa::kAmx;
+#endif
+
+#define TOKAMAX_SKIP_UNSUPPORTED() \
+  if (!IsaSupported(kIsa, GetCpuInfo())) GTEST_SKIP() << IsaName(kIsa) << " not supported here"
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+float BitsToFloatValue(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Values that stress the conversions: ties at both precisions, subnormals, overflow, NaNs.
+std::vector<float> EdgeValues() {
+  std::vector<float> v = {0.0f, -0.0f, 1.0f, -1.5f, kInf, -kInf, 65504.0f, 65519.0f, 65520.0f, 1e-8f, -3e-6f,
+                          6.0e-8f, 3.0e-8f, 1e-40f, 3.4e38f,
+                          BitsToFloatValue(0x3f808000u),   // bf16 tie, even below: rounds down
+                          BitsToFloatValue(0x3f818000u),   // bf16 tie, odd below: rounds up
+                          BitsToFloatValue(0x3f800fffu),   // fp16: just below a tie
+                          BitsToFloatValue(0x7fc00001u),   // quiet NaN with payload
+                          BitsToFloatValue(0xff800001u),   // signalling NaN, negative
+                          BitsToFloatValue(0x7f800100u)};  // NaN whose payload sits in the low bits
+  for (int i = 0; i < 45; ++i) v.push_back(std::sin(0.7f * i) * std::pow(2.0f, static_cast<float>(i % 30 - 15)));
+  while (v.size() % 16 != 0) v.push_back(static_cast<float>(v.size()) * 0.1f);
+  return v;
+}
+
+TEST(TOKAMAX_VEC_SUITE, PartialLoadsZeroTheRestAndPartialStoresTouchNothingElse) {
+  TOKAMAX_SKIP_UNSUPPORTED();
+  std::vector<float> src(kLanes), dst(kLanes);
+  for (int64_t l = 0; l < kLanes; ++l) src[l] = 1.0f + l;
+  for (int64_t n = 0; n < kLanes; ++n) {
+    float lanes[kLanes];
+    Store(lanes, LoadPartial(src.data(), n));
+    for (int64_t l = 0; l < kLanes; ++l) EXPECT_EQ(lanes[l], l < n ? src[l] : 0.0f) << "n " << n;
+    std::fill(dst.begin(), dst.end(), -7.0f);
+    StorePartial(dst.data(), Load(src.data()), n);
+    for (int64_t l = 0; l < kLanes; ++l) EXPECT_EQ(dst[l], l < n ? src[l] : -7.0f) << "n " << n;
+  }
+}
+
+TEST(TOKAMAX_VEC_SUITE, NarrowingIsBitwiseTheScalarConversion) {
+  TOKAMAX_SKIP_UNSUPPORTED();
+  const std::vector<float> values = EdgeValues();
+  for (size_t i = 0; i < values.size(); i += kLanes) {
+    const Vec v = Load(values.data() + i);
+    BFloat16Bits bf[kLanes];
+    Float16Bits half[kLanes];
+    StoreNarrow(bf, v);
+    StoreNarrow(half, v);
+    for (int64_t l = 0; l < kLanes; ++l) {
+      BFloat16Bits want_bf;
+      Float16Bits want_half;
+      StoreFromFloat(&want_bf, values[i + l]);
+      StoreFromFloat(&want_half, values[i + l]);
+      EXPECT_EQ(bf[l].bits, want_bf.bits) << "bf16 of value " << i + l;
+      EXPECT_EQ(half[l].bits, want_half.bits) << "fp16 of value " << i + l;
+    }
+  }
+}
+
+TEST(TOKAMAX_VEC_SUITE, WideningIsExact) {
+  TOKAMAX_SKIP_UNSUPPORTED();
+  std::vector<BFloat16Bits> bf(64);
+  std::vector<Float16Bits> half(64);
+  std::vector<double> wide(64);
+  for (int i = 0; i < 64; ++i) {
+    bf[i].bits = static_cast<uint16_t>(0x3f00 + 997 * i);
+    half[i].bits = static_cast<uint16_t>(0x0001 + 1021 * i);  // subnormals through NaNs
+    wide[i] = 1.0 / (i + 3);
+  }
+  for (int64_t i = 0; i + kLanes <= 64; i += kLanes) {
+    float got_bf[kLanes], got_half[kLanes], got_wide[kLanes], got_partial[kLanes];
+    Store(got_bf, LoadWiden(bf.data() + i));
+    Store(got_half, LoadWiden(half.data() + i));
+    Store(got_wide, LoadWiden(wide.data() + i));
+    Store(got_partial, LoadWidenPartial(half.data() + i, kLanes - 1));
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float want_bf = LoadAsFloat(&bf[i + l]), want_half = LoadAsFloat(&half[i + l]);
+      EXPECT_TRUE(got_bf[l] == want_bf || (std::isnan(got_bf[l]) && std::isnan(want_bf))) << i + l;
+      EXPECT_TRUE(got_half[l] == want_half || (std::isnan(got_half[l]) && std::isnan(want_half))) << i + l;
+      EXPECT_EQ(got_wide[l], static_cast<float>(wide[i + l]));
+      if (l + 1 < kLanes) {
+        EXPECT_TRUE(got_partial[l] == want_half || (std::isnan(got_partial[l]) && std::isnan(want_half)));
+      } else {
+        EXPECT_EQ(got_partial[l], 0.0f);
+      }
+    }
+  }
+}
+
+TEST(TOKAMAX_VEC_SUITE, ExpIsAccurateAndFlushesBelowTheCutoff) {
+  TOKAMAX_SKIP_UNSUPPORTED();
+  std::vector<float> x;
+  for (int i = 0; i < 16 * 40; ++i) x.push_back(-90.0f + 0.28f * i);  // -90 .. 89
+  x.push_back(-kInf);
+  while (x.size() % 16 != 0) x.push_back(0.0f);
+  for (size_t i = 0; i < x.size(); i += kLanes) {
+    float got[kLanes];
+    Store(got, Exp(Load(x.data() + i)));
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float xi = x[i + l];
+      if (xi < kExpFlushBelow) {
+        EXPECT_EQ(got[l], 0.0f) << "x " << xi;
+      } else if (xi <= 88.0f) {
+        const double want = std::exp(static_cast<double>(xi));
+        EXPECT_NEAR(got[l], want, 4e-7 * want) << "x " << xi;
+      }
+    }
+  }
+}
+
+TEST(TOKAMAX_VEC_SUITE, ReductionsAndLaneSums) {
+  TOKAMAX_SKIP_UNSUPPORTED();
+  std::vector<float> v(kLanes * kLanes);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>((i * 37) % 101) - 50.0f;  // exact sums
+  Vec rows[kLanes];
+  for (int64_t r = 0; r < kLanes; ++r) rows[r] = Load(v.data() + r * kLanes);
+  float sums[kLanes];
+  Store(sums, SumLanes(rows));
+  for (int64_t r = 0; r < kLanes; ++r) {
+    float want = 0.0f, want_max = -kInf;
+    for (int64_t l = 0; l < kLanes; ++l) {
+      want += v[r * kLanes + l];
+      want_max = std::max(want_max, v[r * kLanes + l]);
+    }
+    EXPECT_EQ(sums[r], want) << "row " << r;
+    EXPECT_EQ(ReduceAdd(rows[r]), want) << "row " << r;
+    EXPECT_EQ(ReduceMax(rows[r]), want_max) << "row " << r;
+  }
+}
+
+TEST(TOKAMAX_VEC_SUITE, ArithmeticRangeMaskAndTransposes) {
+  TOKAMAX_SKIP_UNSUPPORTED();
+  float a[kLanes], b[kLanes], out[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) {
+    a[l] = 1.5f * l - 3.0f;
+    b[l] = 2.0f - 0.25f * l;
+  }
+  const Vec va = Load(a), vb = Load(b);
+  const float c = 0.5f;
+  auto check = [&](Vec got, auto want, const char* what) {
+    Store(out, got);
+    for (int64_t l = 0; l < kLanes; ++l) EXPECT_EQ(out[l], want(a[l], b[l])) << what << " lane " << l;
+  };
+  check(Add(va, vb), [](float x, float y) { return x + y; }, "Add");
+  check(Sub(va, vb), [](float x, float y) { return x - y; }, "Sub");
+  check(Mul(va, vb), [](float x, float y) { return x * y; }, "Mul");
+  check(Min(va, vb), [](float x, float y) { return std::min(x, y); }, "Min");
+  check(Max(va, vb), [](float x, float y) { return std::max(x, y); }, "Max");
+  check(Fma(va, vb, Set1(c)), [&](float x, float y) { return std::fma(x, y, c); }, "Fma");
+  check(FmaBroadcast(&c, va, vb), [&](float x, float y) { return std::fma(c, x, y); }, "FmaBroadcast");
+  // InRange(x, r, lo, hi): lanes with lo <= r < hi keep x.
+  check(InRange(va, Set1(1.0f), vb, Set1(2.5f)),
+        [](float x, float y) { return y <= 1.0f && 1.0f < 2.5f ? x : -kInf; }, "InRange");
+  float src[8 * 8], dst[8 * 8];
+  for (int i = 0; i < 64; ++i) src[i] = static_cast<float>(i);
+  Transpose8x8(src, 8, dst, 8);
+  for (int j = 0; j < 8; ++j) {
+    for (int l = 0; l < 8; ++l) EXPECT_EQ(dst[l * 8 + j], src[j * 8 + l]);
+  }
+  std::fill(dst, dst + 64, -1.0f);
+  Transpose4x8(src, 8, dst, 8);
+  for (int l = 0; l < 8; ++l) {
+    for (int j = 0; j < 8; ++j) EXPECT_EQ(dst[l * 8 + j], j < 4 ? src[j * 8 + l] : -1.0f);
+  }
+}
+
+}  // namespace
+}  // namespace TOKAMAX_TIER_NAMESPACE
+}  // namespace tokamax
