@@ -13,6 +13,7 @@ autotuning command line and the README's op table are built from the registry.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -54,6 +55,45 @@ def argument_spec(value) -> Any:
     if isinstance(value, dict):
         return {k: argument_spec(v) for k, v in value.items()}
     return value
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigRecord:
+    """The config one kernel call ran with, as the C++ adapter resolved it (``record_configs``).
+
+    ``family`` is the op, ``product`` the product the call ran (a gradient product run as another
+    call of the op is named as the gradient product), ``config`` the values in field order
+    (``Config.to_list()``), ``given`` whether the caller gave it (False: the heuristic chose it).
+    """
+
+    family: str
+    product: str
+    config: tuple[int, ...]
+    given: bool
+
+
+@contextlib.contextmanager
+def record_configs():
+    """Records the config of every kernel call made in the block, in call order.
+
+    Yields a list that holds the ``ConfigRecord`` of each call once the block exits. Every kernel
+    resolves its config in one C++ function (``ConfigOrHeuristic``, ``csrc/torch/op_kit.h``), which
+    appends to a process-wide record while this is active: a test sees which config ran instead of
+    inferring it from the bits. Compiled code records too; the product of a gradient that runs as
+    another call of the op is only known in eager autograd (compiled, it is recorded as that
+    call's ``forward``). Not reentrant; for tests.
+    """
+    records: list[ConfigRecord] = []
+    torch.ops.tokamax._record_configs(True)
+    try:
+        yield records
+    finally:
+        ops, products, sizes, values, given = torch.ops.tokamax._recorded_configs()
+        torch.ops.tokamax._record_configs(False)
+        start = 0
+        for op, product, size, was_given in zip(ops, products, sizes, given):
+            records.append(ConfigRecord(op, product, tuple(values[start:start + size]), bool(was_given)))
+            start += size
 
 
 class BoundArguments:
