@@ -178,7 +178,9 @@ class Op:
     under ``tokamax_torch.ops``, the name in cache files and on the command line),
     ``product_specs`` (the products an autotuner tunes separately, forward first),
     ``config_cls``, ``backward_config_cls`` when it has several backward products, and
-    ``summary`` (its line in the README's op table). It writes ``__call__`` and may override
+    ``summary`` (its line in the README's op table). An op without configs (no C++ Config)
+    leaves ``product_specs`` and ``config_cls`` unset: its ``get_configs`` is ``(None, None)``,
+    ``config_space``, ``cache_key`` and ``autotune`` raise ValueError saying it has no configs. It writes ``__call__`` and may override
     the hooks below (``canonicalize``, ``config_op_arguments``, ``cache_key_arguments``,
     ``real_argument``) and the command-line ones (``cli_shape``, ``add_cli_arguments``,
     ``cli_call``).
@@ -196,6 +198,11 @@ class Op:
     def __init__(self, name: str, op) -> None:
         if name not in _registry.SINGLETONS:
             raise ValueError(f"{type(self).__name__}: name must be one of {_registry.SINGLETONS}, got {name!r}")
+        # An op without configs (no C++ Config) declares neither; an op with configs both.
+        if bool(self.product_specs) != (self.config_cls is not None):
+            raise TypeError(f"{type(self).__name__}: product_specs and config_cls are declared together "
+                            f"(an op without configs leaves both unset), got {len(self.product_specs)} products "
+                            f"and config_cls={self.config_cls!r}")
         self.name = name
         self._op = op
         self._signature = inspect.signature(self.__call__)
@@ -221,7 +228,10 @@ class Op:
         return tuple(p.name for p in self.product_specs)
 
     def product(self, name: str) -> Product:
-        """The product called `name`; ValueError for an unknown one."""
+        """The product called `name`; ValueError for an unknown one, or for any name when the op
+        has no configs."""
+        if not self.product_specs:
+            raise ValueError(f"{self.family}: the op has no configs (no products to configure or tune)")
         for spec in self.product_specs:
             if spec.name == name:
                 return spec
