@@ -47,9 +47,10 @@ test-aarch64:
 	cmake --build build/aarch64 --parallel $(JOBS) --target tokamax_core_tests
 	qemu-aarch64 -L $(AARCH64_SYSROOT) build/aarch64/tokamax_core_tests
 
+# Every benchmarks/*.py but the shared helpers (common.py): an op's benchmark is found by its file.
+BENCHMARKS := $(sort $(filter-out benchmarks/common.py,$(wildcard benchmarks/*.py)))
 bench: setup
-	$(PY) benchmarks/ragged_dot.py
-	$(PY) benchmarks/attention.py
+	@set -e; for script in $(BENCHMARKS); do echo "== $$script"; $(PY) $$script; done
 
 clean:
 	rm -rf build tokamax_torch/_C.so

@@ -78,14 +78,15 @@ class OpContract:
     kernel: Any
     samples: Sequence[Sample]
     bad_inputs: Callable[[], list[BadInput]]
-    #: (message, configs): invalid configs, rejected at the forward call by both singletons.
-    invalid_configs: Sequence[tuple[str, tuple]]
-    #: Per product, a call long enough in that product's contraction that some config of the
-    #: search space changes the kernel's bits (which shows the config reaches the kernel).
-    config_samples: dict[str, Sample]
     dynamic: Sequence[DynamicSizes]
     #: Calls large enough that the kernel splits them over threads, forward and backward.
     determinism_samples: Sequence[Sample]
+    #: (message, configs): invalid configs, rejected at the forward call by both singletons.
+    #: Empty for an op without configs (its kernel declares no products), as is config_samples.
+    invalid_configs: Sequence[tuple[str, tuple]] = ()
+    #: Per product, a call that runs that product and whose search space has more than one
+    #: config; each config of the space is run on it and must be the one the kernel records.
+    config_samples: dict[str, Sample] = dataclasses.field(default_factory=dict)
     #: rtol = atol between two runs of the same math in fp32 (compiled against eager, kernel
     #: against reference); the op file's oracle tests hold the real tolerances.
     tolerance: float = 1e-4
@@ -183,3 +184,24 @@ def with_configs(call: Call, configs) -> Call:
 
 def configs_as_lists(configs) -> tuple:
     return tuple(None if c is None else c.to_list() for c in configs)
+
+
+def ran_products(kernel, call: Call) -> set[str]:
+    """The products a forward_backward of `call` runs: the forward, and each gradient product
+    whose inputs (``Product.wrt``) include one that requires grad."""
+    args, kwargs = call
+    bound = kernel.bind(*args, **{k: v for k, v in kwargs.items() if k != "configs"})
+    needs_grad = {name for name, x in bound.arguments.items() if isinstance(x, torch.Tensor) and x.requires_grad}
+    return {p.name for p in kernel.product_specs if not p.wrt or needs_grad & set(p.wrt)}
+
+
+def assert_ran_configs(records, kernel, products: set[str], want: dict, given: bool) -> None:
+    """`records` (``tokamax_torch._op.record_configs``) hold calls of exactly `products`, each having
+    run ``want[product]``, the caller's config when `given`, the heuristic's otherwise."""
+    ran = {r.product for r in records}
+    assert all(r.family == kernel.family for r in records), f"records of other ops: {records}"
+    assert ran == products, f"products run: {sorted(ran)}, expected {sorted(products)}"
+    for r in records:
+        expected = tuple(want[r.product].to_list())
+        assert r.config == expected, f"{r.product} ran {r.config}, expected {expected}"
+        assert r.given == given, f"{r.product}: given={r.given}, expected {given}"

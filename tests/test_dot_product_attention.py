@@ -13,9 +13,12 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tokamax_torch
 from contract import THREAD_COUNTS, BadInput, DynamicSizes, OpContract, Sample
+from strategies import DTYPES, PROFILE, layout
 from tokamax_torch.ops import dot_product_attention as dpa
 
 IMPLEMENTATIONS = [dpa.reference, dpa.kernel]
@@ -574,6 +577,72 @@ def test_python_argument_errors():
         dpa.kernel(q, k, v, local_window_size=(1, 2, 3))
     with pytest.raises(TypeError, match="configs must be a \\(fwd, bwd\\) pair"):
         dpa.kernel(q, k, v, configs=dpa.Config(8, 64, 1))
+
+
+# ---- property tests (run by tests/test_properties.py) ---------------------------------------
+
+def _broadcast_shape(draw, full, name):
+    """`full` with some leading dims dropped and some dims set to 1 (what broadcasting allows)."""
+    drop = draw(st.integers(0, len(full) - 2), label=f"{name} dropped dims")
+    return tuple(d if draw(st.booleans(), label=f"{name} dim {i}") else 1 for i, d in enumerate(full[drop:]))
+
+
+@st.composite
+def attention_problems(draw):
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1), label="seed"))
+    dtype = draw(st.sampled_from(DTYPES))
+    b, t, s = draw(st.integers(0, 3), label="b"), draw(st.integers(0, 20), label="t"), draw(st.integers(0, 20), label="s")
+    kv_heads, groups = draw(st.integers(1, 3), label="kv heads"), draw(st.integers(1, 3), label="groups")
+    n = kv_heads * groups
+    h, hv = draw(st.integers(1, 40), label="h"), draw(st.integers(1, 40), label="hv")
+    q = layout(draw, (b, t, n, h), generator, dtype, "query")
+    k = layout(draw, (b, s, kv_heads, h), generator, dtype, "key")
+    v = layout(draw, (b, s, kv_heads, hv), generator, dtype, "value")
+    bias = mask = None
+    if draw(st.booleans(), label="bias"):
+        bias = torch.randn(_broadcast_shape(draw, (b, n, t, s), "bias"), generator=generator).to(dtype)
+    if draw(st.booleans(), label="mask"):
+        mask = torch.rand(_broadcast_shape(draw, (b, n, t, s), "mask"), generator=generator) > 0.3
+    kwargs = {"is_causal": draw(st.booleans(), label="causal")}
+    window = st.one_of(st.none(), st.integers(0, 8), st.tuples(st.none() | st.integers(0, 8), st.none() | st.integers(0, 8)))
+    kwargs["local_window_size"] = draw(window, label="window")
+    if draw(st.booleans(), label="lengths"):
+        length_dtype = draw(st.sampled_from([torch.int32, torch.int64]), label="length dtype")
+        kwargs["query_seq_lengths"] = torch.tensor(draw(st.lists(st.integers(0, t), min_size=b, max_size=b)),
+                                                   dtype=length_dtype)
+        kwargs["key_value_seq_lengths"] = torch.tensor(draw(st.lists(st.integers(0, s), min_size=b, max_size=b)),
+                                                       dtype=length_dtype)
+    if draw(st.booleans(), label="segments"):
+        kwargs["q_segment_ids"] = torch.randint(0, 3, (b, t), generator=generator, dtype=torch.int32)
+        kwargs["kv_segment_ids"] = torch.randint(0, 3, (b, s), generator=generator, dtype=torch.int32)
+    kwargs["logits_soft_cap"] = draw(st.none() | st.floats(0.5, 30.0), label="soft cap")
+    kwargs["scale"] = draw(st.none() | st.floats(0.05, 2.0), label="scale")
+    if kwargs["local_window_size"] is None:
+        del kwargs["local_window_size"]
+    return (q, k, v, bias, mask), {key: value for key, value in kwargs.items() if value is not None}
+
+
+@settings(PROFILE, max_examples=200)
+@given(problem=attention_problems())
+def dot_product_attention_kernel_matches_float64_oracle(problem):
+    args, kwargs = problem
+    dtype = args[0].dtype
+    out, lse = assert_matches_oracle(dpa.kernel, args, kwargs, dtype)
+    assert not out.isnan().any() and not lse.isnan().any()
+
+
+@settings(PROFILE, max_examples=60)
+@given(problem=attention_problems())
+def dot_product_attention_kernel_gradients_match_float64_reference(problem):
+    torch.manual_seed(0)  # the output weights the helper draws: the same for an example run alone
+    (q, k, v, bias, mask), kwargs = problem
+    leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+    bias = None if bias is None else bias.detach().double().requires_grad_(True)
+    assert_gradients_match_float64_reference(*leaves, bias, mask, kwargs, [q.dtype])
+
+
+PROPERTIES = [dot_product_attention_kernel_matches_float64_oracle,
+              dot_product_attention_kernel_gradients_match_float64_reference]
 
 
 # ---- the op contract (tests/test_op_contract.py) ------------------------------------------------

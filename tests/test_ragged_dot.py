@@ -6,9 +6,12 @@ tests/test_op_contract.py from CONTRACT below.
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tokamax_torch
 from contract import THREAD_COUNTS, BadInput, DynamicSizes, OpContract, Sample
+from strategies import DTYPES, PROFILE, layout
 from tokamax_torch.ops import ragged_dot as rd
 
 IMPLEMENTATIONS = [rd.reference, rd.kernel]
@@ -290,6 +293,41 @@ def test_invalid_config_rejected():
         rd.Config(block_m=6, block_k=2.5, block_n=16, task_m=6, pack_b_min_rows=12)
 
 
+# ---- property tests (run by tests/test_properties.py) ---------------------------------------
+
+@st.composite
+def ragged_problems(draw):
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1), label="seed"))
+    form = draw(st.sampled_from(list(FORMS.values())))
+    dtype = draw(st.sampled_from(DTYPES))
+    m, k, n = (draw(st.integers(0, 70), label=d) for d in "mkn")
+    g = draw(st.integers(0, 5), label="g")
+    # Group sizes summing to at most m: rows past their total are left to the kernel to zero.
+    cuts = sorted(draw(st.lists(st.integers(0, m), min_size=g, max_size=g), label="cuts"))
+    sizes = [b - a for a, b in zip([0] + cuts, cuts)]
+    group_sizes = torch.tensor(sizes, dtype=draw(st.sampled_from([torch.int32, torch.int64])))
+    lhs = layout(draw, (m, k), generator, dtype, "lhs")
+    rhs_shape = {rd.DEFAULT: (g, k, n), rd.TRANS_RHS: (g, n, k), rd.RAGGED_CONTRACTING: (m, n)}[form]
+    rhs = layout(draw, rhs_shape, generator, dtype, "rhs")
+    preferred = draw(st.sampled_from([None, torch.float32, dtype]))
+    return lhs, rhs, group_sizes, form, preferred
+
+
+@settings(PROFILE, max_examples=400)
+@given(problem=ragged_problems())
+def ragged_dot_kernel_matches_float64_oracle(problem):
+    lhs, rhs, group_sizes, form, preferred = problem
+    out = rd.kernel(lhs, rhs, group_sizes, ragged_dot_dimension_numbers=form, preferred_element_type=preferred)
+    assert out.dtype == (preferred or lhs.dtype)
+    assert not out.isnan().any()
+    # fp32 output of bf16/fp16 inputs: accumulated in fp32, no output rounding.
+    tol = 2e-5 if out.dtype == torch.float32 else None
+    assert_matches_oracle(out, lhs, rhs, group_sizes, form, tol=tol)
+
+
+PROPERTIES = [ragged_dot_kernel_matches_float64_oracle]
+
+
 # ---- the op contract (tests/test_op_contract.py) ------------------------------------------------
 
 def _sample(form, dtype, m=24, k=16, n=20, g=3, total=20, grad=(True, True), **kwargs):
@@ -331,6 +369,7 @@ def _dynamic_rows(m):
 
 
 _CONFIG = [6, 8, 16, 12, 4]
+
 
 CONTRACT = OpContract(
     name="ragged_dot",

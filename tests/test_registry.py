@@ -39,7 +39,7 @@ def test_every_op_module_is_registered_and_exported():
         assert family.kernel is module.kernel and family.reference is module.reference
         assert getattr(tokamax_torch, name) is module.kernel and name in tokamax_torch.__all__
         assert family.kernel.family == family.reference.family == name
-        assert family.kernel.tunable and not family.reference.tunable
+        assert family.kernel.tunable == (family.kernel.config_cls is not None) and not family.reference.tunable
 
 
 def test_a_second_singleton_of_a_family_is_an_error(monkeypatch):

@@ -13,6 +13,7 @@ autotuning command line and the README's op table are built from the registry.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -54,6 +55,45 @@ def argument_spec(value) -> Any:
     if isinstance(value, dict):
         return {k: argument_spec(v) for k, v in value.items()}
     return value
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigRecord:
+    """The config one kernel call ran with, as the C++ adapter resolved it (``record_configs``).
+
+    ``family`` is the op, ``product`` the product the call ran (a gradient product run as another
+    call of the op is named as the gradient product), ``config`` the values in field order
+    (``Config.to_list()``), ``given`` whether the caller gave it (False: the heuristic chose it).
+    """
+
+    family: str
+    product: str
+    config: tuple[int, ...]
+    given: bool
+
+
+@contextlib.contextmanager
+def record_configs():
+    """Records the config of every kernel call made in the block, in call order.
+
+    Yields a list that holds the ``ConfigRecord`` of each call once the block exits. Every kernel
+    resolves its config in one C++ function (``ConfigOrHeuristic``, ``csrc/torch/op_kit.h``), which
+    appends to a process-wide record while this is active: a test sees which config ran instead of
+    inferring it from the bits. Compiled code records too; the product of a gradient that runs as
+    another call of the op is only known in eager autograd (compiled, it is recorded as that
+    call's ``forward``). Not reentrant; for tests.
+    """
+    records: list[ConfigRecord] = []
+    torch.ops.tokamax._record_configs(True)
+    try:
+        yield records
+    finally:
+        ops, products, sizes, values, given = torch.ops.tokamax._recorded_configs()
+        torch.ops.tokamax._record_configs(False)
+        start = 0
+        for op, product, size, was_given in zip(ops, products, sizes, given):
+            records.append(ConfigRecord(op, product, tuple(values[start:start + size]), bool(was_given)))
+            start += size
 
 
 class BoundArguments:
@@ -138,7 +178,9 @@ class Op:
     under ``tokamax_torch.ops``, the name in cache files and on the command line),
     ``product_specs`` (the products an autotuner tunes separately, forward first),
     ``config_cls``, ``backward_config_cls`` when it has several backward products, and
-    ``summary`` (its line in the README's op table). It writes ``__call__`` and may override
+    ``summary`` (its line in the README's op table). An op without configs (no C++ Config)
+    leaves ``product_specs`` and ``config_cls`` unset: its ``get_configs`` is ``(None, None)``,
+    ``config_space``, ``cache_key`` and ``autotune`` raise ValueError saying it has no configs. It writes ``__call__`` and may override
     the hooks below (``canonicalize``, ``config_op_arguments``, ``cache_key_arguments``,
     ``real_argument``) and the command-line ones (``cli_shape``, ``add_cli_arguments``,
     ``cli_call``).
@@ -156,6 +198,11 @@ class Op:
     def __init__(self, name: str, op) -> None:
         if name not in _registry.SINGLETONS:
             raise ValueError(f"{type(self).__name__}: name must be one of {_registry.SINGLETONS}, got {name!r}")
+        # An op without configs (no C++ Config) declares neither; an op with configs both.
+        if bool(self.product_specs) != (self.config_cls is not None):
+            raise TypeError(f"{type(self).__name__}: product_specs and config_cls are declared together "
+                            f"(an op without configs leaves both unset), got {len(self.product_specs)} products "
+                            f"and config_cls={self.config_cls!r}")
         self.name = name
         self._op = op
         self._signature = inspect.signature(self.__call__)
@@ -181,7 +228,10 @@ class Op:
         return tuple(p.name for p in self.product_specs)
 
     def product(self, name: str) -> Product:
-        """The product called `name`; ValueError for an unknown one."""
+        """The product called `name`; ValueError for an unknown one, or for any name when the op
+        has no configs."""
+        if not self.product_specs:
+            raise ValueError(f"{self.family}: the op has no configs (no products to configure or tune)")
         for spec in self.product_specs:
             if spec.name == name:
                 return spec

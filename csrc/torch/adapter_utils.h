@@ -8,8 +8,10 @@
 
 #include <sstream>
 #include <string>
+#include <type_traits>
 
 #include "csrc/core/base/dtype.h"
+#include "csrc/core/base/strided_view.h"
 
 namespace tokamax {
 
@@ -31,6 +33,32 @@ inline DType ToCoreDType(at::ScalarType type, const char* op) {
     case at::kDouble: return DType::kFloat64;
     default: TORCH_CHECK(false, op, ": unsupported dtype ", type);
   }
+}
+
+// `t` as the core's view of it, no copy: its data, dtype, sizes and strides (in elements). A
+// tensor of fewer than N dims fills the leading ones; the rest stay size 0, stride 0 (the core
+// reads only the dims its params say the tensor has, as ragged_dot's 2-D lhs).
+template <int N, typename Pointer = const void*>
+StridedView<N, Pointer> StridedViewOf(const at::Tensor& t, const char* op) {
+  TORCH_CHECK(t.dim() <= N, op, ": a ", t.dim(), "-D tensor has no ", N, "-D view");  // internal: args are checked
+  StridedView<N, Pointer> view;
+  if constexpr (std::is_same_v<Pointer, void*>) {
+    view.data = t.data_ptr();
+  } else {
+    view.data = t.const_data_ptr();
+  }
+  view.dtype = ToCoreDType(t.scalar_type(), op);
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    view.sizes[d] = t.size(d);
+    view.strides[d] = t.stride(d);
+  }
+  return view;
+}
+
+// The same, writable: for a tensor the kernel writes.
+template <int N>
+MutableStridedView<N> MutableStridedViewOf(const at::Tensor& t, const char* op) {
+  return StridedViewOf<N, void*>(t, op);
 }
 
 // A fresh multi-MiB output is first touched by the kernel, and 4 KiB page faults cost ~10 ms

@@ -261,28 +261,6 @@ DotProductAttentionConfig ResolveConfig(const std::optional<DotProductAttentionC
                                                                 product);
 }
 
-Tensor4View ViewOf(const Tensor& t) {
-  Tensor4View view;
-  view.data = t.const_data_ptr();
-  view.dtype = ToCoreDType(t.scalar_type(), kOp);
-  for (int64_t d = 0; d < 4; ++d) {
-    view.sizes[d] = t.size(d);
-    view.strides[d] = t.stride(d);
-  }
-  return view;
-}
-
-MutableTensor4View MutableViewOf(Tensor& t) {
-  MutableTensor4View view;
-  view.data = t.data_ptr();
-  view.dtype = ToCoreDType(t.scalar_type(), kOp);
-  for (int64_t d = 0; d < 4; ++d) {
-    view.sizes[d] = t.size(d);
-    view.strides[d] = t.stride(d);
-  }
-  return view;
-}
-
 std::vector<int64_t> LengthValues(const std::optional<Tensor>& lengths, int64_t max, const char* name) {
   if (!lengths.has_value()) return {};
   const Tensor values = lengths->to(at::kLong).contiguous();
@@ -305,14 +283,14 @@ struct KernelInputs {
 
 void FillKernelInputs(const AttentionArgs& a, const AttentionSignature& sig, KernelInputs* in) {
   DotProductAttentionParams& p = in->params;
-  p.q = ViewOf(a.query);
-  p.k = ViewOf(a.key);
-  p.v = ViewOf(a.value);
+  p.q = StridedViewOf<4>(a.query, kOp);
+  p.k = StridedViewOf<4>(a.key, kOp);
+  p.v = StridedViewOf<4>(a.value, kOp);
   const std::vector<int64_t> logits_shape = {sig.batch.expect_int(), sig.q_heads.expect_int(),
                                              sig.q_len.expect_int(), sig.kv_len.expect_int()};
   if (a.bias.has_value()) {
     in->bias = a.bias->expand(logits_shape);
-    p.bias = ViewOf(in->bias);
+    p.bias = StridedViewOf<4>(in->bias, kOp);
   }
   AttentionMasks& m = p.masks;
   if (a.mask.has_value()) {
@@ -360,7 +338,7 @@ std::tuple<Tensor, Tensor> DotProductAttentionCpu(const AttentionArgs& a) {
   Tensor out = at::empty_symint(OutShape(sig), a.query.options());
   Tensor lse = at::empty_symint(LseShape(sig), a.query.options().dtype(sig.lse_dtype));
   AdviseHugePages(out);
-  in.params.out = MutableViewOf(out);
+  in.params.out = MutableStridedViewOf<4>(out, kOp);
   SetLse(lse, &in.params);
   const Status status = DotProductAttention(in.params, resolved);
   TORCH_CHECK(status.ok(), status.message());
@@ -424,18 +402,17 @@ BackwardResult DotProductAttentionBackwardCpu(const AttentionArgs& a, const Grad
   for (const Tensor* x : {&dq, &dk, &dv}) AdviseHugePages(*x);
   DotProductAttentionGradParams g;
   g.forward = in.params;
-  Tensor out_view = grad.out;  // read only; MutableTensor4View is the params' type for the output
-  g.forward.out = MutableViewOf(out_view);
+  g.forward.out = MutableStridedViewOf<4>(grad.out, kOp);  // read only here: the params' output type
   Tensor lse_view = grad.lse;
   SetLse(lse_view, &g.forward);
-  g.dout = ViewOf(grad.dout);
+  g.dout = StridedViewOf<4>(grad.dout, kOp);
   if (grad.dlse.has_value()) {
     g.dlse = grad.dlse->const_data_ptr();
     for (int64_t d = 0; d < 3; ++d) g.dlse_strides[d] = grad.dlse->stride(d);
   }
-  g.dq = MutableViewOf(dq);
-  g.dk = MutableViewOf(dk);
-  g.dv = MutableViewOf(dv);
+  g.dq = MutableStridedViewOf<4>(dq, kOp);
+  g.dk = MutableStridedViewOf<4>(dk, kOp);
+  g.dv = MutableStridedViewOf<4>(dv, kOp);
   Tensor dense_dbias;
   // A bias shared by the batches has its gradient summed over them in batch order, one fp32
   // addition per batch from zero, whichever of two ways computes it: the kernel adds each batch

@@ -57,11 +57,49 @@ typename Config::Product ParseProduct(int64_t product) {
   TORCH_CHECK(false, Config::kOpName, ": product must be ", expected, ", got ", product);
 }
 
+// ---- the config recorder: which config each kernel call ran with ------------------------------
+//
+// Off unless a test turns it on (tokamax_torch._op.record_configs()): then every kernel call that
+// resolves its config through ConfigOrHeuristic appends (op, product, config, given) here, so
+// "an explicit config is honoured" and "configs=None runs the heuristic" are observed, not
+// inferred from bits. Process-wide; the ops _record_configs / _recorded_configs (op_kit.cc)
+// switch it and drain it. Off, a call pays one relaxed atomic load.
+struct ConfigRecord {
+  std::string op;
+  std::string product;
+  std::vector<int64_t> config;
+  bool given;  // the caller's config (true) or the heuristic's (false)
+};
+bool ConfigRecorderEnabled();
+void RecordConfig(ConfigRecord record);
+
+// Names the product of the kernel calls made in its scope (this thread), for an op whose
+// backward product runs as another call of the op (ragged_dot's gradients are ragged_dot calls,
+// each resolving its config as that call's forward). `product` must outlive the scope.
+class RecordedProductScope {
+ public:
+  explicit RecordedProductScope(const char* product);
+  ~RecordedProductScope();
+  RecordedProductScope(const RecordedProductScope&) = delete;
+  RecordedProductScope& operator=(const RecordedProductScope&) = delete;
+  static const char* Current();  // null outside any scope
+
+ private:
+  const char* previous_;
+};
+
 // The config a kernel runs with: the caller's when given, else the heuristic's for this call.
+// Every kernel resolves its config here, which is where the recorder sees it.
 template <auto kHeuristic, typename Config, typename Shape>
 Config ConfigOrHeuristic(const std::optional<Config>& config, const Shape& shape, DType dtype,
                          typename Config::Product product) {
-  return config.has_value() ? *config : kHeuristic(shape, dtype, GetCpuInfo(), product);
+  Config resolved = config.has_value() ? *config : kHeuristic(shape, dtype, GetCpuInfo(), product);
+  if (ConfigRecorderEnabled()) {
+    const char* scoped = RecordedProductScope::Current();
+    RecordConfig({Config::kOpName, scoped != nullptr ? scoped : Config::kProductNames[static_cast<int>(product)],
+                  resolved.ToVector(), config.has_value()});
+  }
+  return resolved;
 }
 
 // What an op's config problem function derives from the helper ops' arguments.

@@ -136,17 +136,6 @@ RaggedDotShape ShapeOf(const Tensor& lhs, const Tensor& group_sizes, const Ragge
   return shape;
 }
 
-Tensor3View ViewOf(const Tensor& t) {
-  Tensor3View view;
-  view.data = t.const_data_ptr();
-  view.dtype = ToCoreDType(t.scalar_type(), "ragged_dot");
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    view.sizes[d] = t.size(d);
-    view.strides[d] = t.stride(d);
-  }
-  return view;
-}
-
 // ---- the CPU kernel ----------------------------------------------------------------------------
 
 Tensor RaggedDotCpu(const Tensor& lhs, const Tensor& rhs, const Tensor& group_sizes,
@@ -166,8 +155,8 @@ Tensor RaggedDotCpu(const Tensor& lhs, const Tensor& rhs, const Tensor& group_si
   AdviseHugePages(out);
   RaggedDotParams params;
   params.form = sig.form;
-  params.lhs = ViewOf(lhs);
-  params.rhs = ViewOf(rhs);
+  params.lhs = StridedViewOf<3>(lhs, "ragged_dot");
+  params.rhs = StridedViewOf<3>(rhs, "ragged_dot");
   params.group_sizes = sizes.data();
   params.num_groups = shape.g;
   params.out = out.data_ptr();
@@ -236,7 +225,9 @@ RaggedDotOp(bool reference) {
 }
 
 Tensor CallRaggedDot(bool reference, const Tensor& lhs, const Tensor& rhs, const Tensor& group_sizes,
-                     RaggedDotForm form, at::ScalarType out_dtype, const std::vector<int64_t>& config) {
+                     RaggedDotForm form, at::ScalarType out_dtype, const std::vector<int64_t>& config,
+                     RaggedDotProduct product) {
+  const RecordedProductScope recorded(RaggedDotConfig::kProductNames[static_cast<int>(product)]);
   const std::vector<int64_t> dims = RaggedDotDimensionNumbers(form);
   at::OptionalIntArrayRef config_ref;
   if (!config.empty()) config_ref = at::IntArrayRef(config);
@@ -284,16 +275,16 @@ class RaggedDotFunction : public torch::autograd::Function<RaggedDotFunction> {
     const bool want_lhs = ctx->needs_input_grad(0), want_rhs = ctx->needs_input_grad(1);
     switch (form) {
       case RaggedDotForm::kDefault:
-        if (want_lhs) dlhs = CallRaggedDot(reference, dout, rhs, group_sizes, RaggedDotForm::kTransRhs, lhs.scalar_type(), dlhs_config);
-        if (want_rhs) drhs = CallRaggedDot(reference, lhs, dout, group_sizes, RaggedDotForm::kRaggedContracting, rhs.scalar_type(), drhs_config);
+        if (want_lhs) dlhs = CallRaggedDot(reference, dout, rhs, group_sizes, RaggedDotForm::kTransRhs, lhs.scalar_type(), dlhs_config, RaggedDotProduct::kDlhs);
+        if (want_rhs) drhs = CallRaggedDot(reference, lhs, dout, group_sizes, RaggedDotForm::kRaggedContracting, rhs.scalar_type(), drhs_config, RaggedDotProduct::kDrhs);
         break;
       case RaggedDotForm::kTransRhs:
-        if (want_lhs) dlhs = CallRaggedDot(reference, dout, rhs, group_sizes, RaggedDotForm::kDefault, lhs.scalar_type(), dlhs_config);
-        if (want_rhs) drhs = CallRaggedDot(reference, dout, lhs, group_sizes, RaggedDotForm::kRaggedContracting, rhs.scalar_type(), drhs_config);
+        if (want_lhs) dlhs = CallRaggedDot(reference, dout, rhs, group_sizes, RaggedDotForm::kDefault, lhs.scalar_type(), dlhs_config, RaggedDotProduct::kDlhs);
+        if (want_rhs) drhs = CallRaggedDot(reference, dout, lhs, group_sizes, RaggedDotForm::kRaggedContracting, rhs.scalar_type(), drhs_config, RaggedDotProduct::kDrhs);
         break;
       case RaggedDotForm::kRaggedContracting:
-        if (want_lhs) dlhs = CallRaggedDot(reference, rhs, dout, group_sizes, RaggedDotForm::kTransRhs, lhs.scalar_type(), dlhs_config);
-        if (want_rhs) drhs = CallRaggedDot(reference, lhs, dout, group_sizes, RaggedDotForm::kDefault, rhs.scalar_type(), drhs_config);
+        if (want_lhs) dlhs = CallRaggedDot(reference, rhs, dout, group_sizes, RaggedDotForm::kTransRhs, lhs.scalar_type(), dlhs_config, RaggedDotProduct::kDlhs);
+        if (want_rhs) drhs = CallRaggedDot(reference, lhs, dout, group_sizes, RaggedDotForm::kDefault, rhs.scalar_type(), drhs_config, RaggedDotProduct::kDrhs);
         break;
     }
     return {dlhs, drhs, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};

@@ -1,0 +1,69 @@
+// The config recorder of op_kit.h and its two private ops.
+#include "csrc/torch/op_kit.h"
+
+#include <atomic>
+#include <mutex>
+#include <utility>
+
+namespace tokamax {
+namespace {
+
+std::atomic<bool> recorder_enabled{false};
+std::mutex recorder_mutex;
+std::vector<ConfigRecord>& Records() {
+  static std::vector<ConfigRecord> records;  // guarded by recorder_mutex
+  return records;
+}
+thread_local const char* scoped_product = nullptr;
+
+// Turns the recorder on or off; either way drops what it held.
+void SetConfigRecorder(bool enabled) {
+  std::lock_guard<std::mutex> lock(recorder_mutex);
+  Records().clear();
+  recorder_enabled.store(enabled, std::memory_order_relaxed);
+}
+
+// The records since the last call (and drops them): ops, products, each config's length, the
+// configs concatenated, and 1 where the caller gave the config, 0 where the heuristic chose it.
+std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>,
+           std::vector<int64_t>>
+DrainConfigRecords() {
+  std::vector<ConfigRecord> records;
+  {
+    std::lock_guard<std::mutex> lock(recorder_mutex);
+    records.swap(Records());
+  }
+  std::vector<std::string> ops, products;
+  std::vector<int64_t> sizes, values, given;
+  for (const ConfigRecord& r : records) {
+    ops.push_back(r.op);
+    products.push_back(r.product);
+    sizes.push_back(static_cast<int64_t>(r.config.size()));
+    values.insert(values.end(), r.config.begin(), r.config.end());
+    given.push_back(r.given ? 1 : 0);
+  }
+  return {ops, products, sizes, values, given};
+}
+
+}  // namespace
+
+bool ConfigRecorderEnabled() { return recorder_enabled.load(std::memory_order_relaxed); }
+
+void RecordConfig(ConfigRecord record) {
+  std::lock_guard<std::mutex> lock(recorder_mutex);
+  if (recorder_enabled.load(std::memory_order_relaxed)) Records().push_back(std::move(record));
+}
+
+RecordedProductScope::RecordedProductScope(const char* product) : previous_(scoped_product) {
+  scoped_product = product;
+}
+RecordedProductScope::~RecordedProductScope() { scoped_product = previous_; }
+const char* RecordedProductScope::Current() { return scoped_product; }
+
+}  // namespace tokamax
+
+TORCH_LIBRARY_FRAGMENT(tokamax, m) {
+  m.def("_record_configs(bool enabled) -> ()", &tokamax::SetConfigRecorder);
+  m.def("_recorded_configs() -> (str[] ops, str[] products, int[] sizes, int[] values, int[] given)",
+        &tokamax::DrainConfigRecords);
+}
