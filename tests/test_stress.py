@@ -3,11 +3,13 @@
 Every call (ragged_dot and dot_product_attention, forward and backward, fp32 and bf16, sizes from
 a few KiB of working memory to tens of MiB) is first run alone, one after the other. Then all of
 them run again from worker threads, several rounds in a shuffled order, while another thread
-empties the kernels' buffer cache now and then, and each result must equal its lone run bit for
-bit. The large calls take their working buffers from the process-wide cache of mappings
+empties the kernels' cached working memory now and then, and each result must equal its lone run
+bit for bit. The large calls take their working buffers from the process-wide cache of mappings
 (csrc/core/runtime/large_buffer.h), so buffers freed by one call are reused by calls of other sizes on
 other threads; a kernel that writes into a buffer after releasing it, or reads one it does not
-own, shows up here as changed bits.
+own, shows up here as changed bits. Every call's scratch comes from its threads' arenas
+(csrc/core/runtime/scratch_arena.h), which the emptying thread frees while idle and marks while
+leased: freeing one in use would show up the same way.
 
 Thread counts: each phase sets the process-wide count (1, 2, 3), and each worker also sets its
 own count before every call (ATen's OpenMP backend keeps the count per calling thread), so calls

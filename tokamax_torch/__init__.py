@@ -44,16 +44,19 @@ def device_kind(device=None) -> str:
 def empty_cache() -> None:
     """Returns the kernels' cached working memory to the operating system.
 
-    Large per-call buffers (packed K/V copies, partial sums) are kept after a call, up to
-    ``TOKAMAX_BUFFER_CACHE_MIB`` MiB (default 256; 0 keeps none), so the next call of about the
-    same size reuses pages that are already mapped instead of faulting in fresh zeroed ones.
-    ``cached_bytes()`` says how much is held.
+    The kernels keep two kinds of working memory after a call, so the next call reuses it: large
+    per-call buffers (packed K/V copies, partial sums; already-mapped pages instead of fresh
+    zeroed ones) and each thread's scratch (packed GEMM panels, attention's tile buffers). Both
+    together are held up to ``TOKAMAX_BUFFER_CACHE_MIB`` MiB (default 256; 0 keeps none). This
+    frees all of it; scratch in use by a kernel running on another thread at that moment is
+    freed when that kernel's task ends. ``cached_bytes()`` says how much is held.
     """
     torch.ops.tokamax._empty_buffer_cache()
 
 
 def cached_bytes() -> int:
-    """Bytes of working memory the kernels hold for reuse (see ``empty_cache``)."""
+    """Bytes of working memory the kernels hold for reuse: the large-buffer cache plus every
+    thread's idle scratch (see ``empty_cache``); 0 right after ``empty_cache()``."""
     return int(torch.ops.tokamax._buffer_cache_bytes())
 
 

@@ -10,7 +10,7 @@
 
 #include "csrc/core/runtime/cpu_info.h"
 #include "csrc/core/runtime/isa.h"
-#include "csrc/core/runtime/large_buffer.h"
+#include "csrc/core/runtime/scratch_arena.h"
 #include "csrc/core/runtime/parallel.h"
 #include "csrc/core/runtime/roofline.h"
 
@@ -99,7 +99,8 @@ std::vector<double> MeasureCeilings(const at::Tensor& buffer, int64_t fma_iterat
 TORCH_LIBRARY(tokamax, m) {
   m.def("_cpu_description() -> str[]", &tokamax::CpuDescription);
   m.def("_measure_ceilings(Tensor buffer, int fma_iterations) -> float[]", &tokamax::MeasureCeilings);
-  // The kernels' cache of working-memory mappings (large_buffer.h): bytes held, and unmap all.
-  m.def("_buffer_cache_bytes() -> int", [] { return static_cast<int64_t>(tokamax::LargeBufferCachedBytes()); });
-  m.def("_empty_buffer_cache() -> ()", [] { tokamax::ReleaseLargeBufferCache(); });
+  // The kernels' cached working memory (scratch_arena.h: idle scratch arenas and the large-buffer
+  // cache): bytes held, and free all of it.
+  m.def("_buffer_cache_bytes() -> int", [] { return static_cast<int64_t>(tokamax::CachedWorkingMemoryBytes()); });
+  m.def("_empty_buffer_cache() -> ()", [] { tokamax::ReleaseCachedWorkingMemory(); });
 }

@@ -51,7 +51,7 @@ void ExpPackVnni(const float*, int64_t, int64_t, int64_t, int64_t, const float*,
   MissingTier(__func__, "avx512bf16");
 }
 void PackVnniPair(const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, uint16_t*) { MissingTier(__func__, "avx512bf16"); }
-void PackVnniFromBf16Vectors(const uint16_t* const[16], int64_t, int64_t, int64_t, uint16_t*) {
+void PackVnniFromBf16Vectors(const uint16_t* const[16], int64_t, int64_t, int64_t, uint16_t*, uint16_t*) {
   MissingTier(__func__, "avx512bf16");
 }
 void CopyBf16(const uint16_t*, int64_t, int64_t, int64_t, int64_t, bool, uint16_t*, int64_t) { MissingTier(__func__, "avx512bf16"); }

@@ -76,8 +76,10 @@ void PackVnniPair(const uint16_t* a, const uint16_t* b, int64_t p, int64_t depth
 
 // One panel as above from 16 bf16 vectors: B(p, j) = vectors[j][p * step] for p <
 // valid_depth, zero past it and for a null vector. Xᵀ over 16 rows (or columns) of a strided X.
+// `block` is the caller's scratch of 16 * depth elements (its lease's, scratch_arena.h: callers
+// fill many panels, and one lease serves them all).
 void PackVnniFromBf16Vectors(const uint16_t* const vectors[16], int64_t step, int64_t valid_depth, int64_t depth,
-                             uint16_t* dst);
+                             uint16_t* dst, uint16_t* block);
 
 // A bf16 matrix X (X(i, j) at src[i * row_stride + j * col_stride], rows x cols) copied
 // row-major, dst[i * ld + j], or with `transpose` as Xᵀ, dst[j * ld + i]: by rows along a
@@ -95,7 +97,8 @@ void ConvertRowsBf16(const float* x, int64_t ld, int64_t rows, int64_t pad_rows,
 void PackVnniFromBf16Block(const uint16_t* x, int64_t depth, uint16_t* dst);
 
 // dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols: a bf16 (any 16-bit)
-// transpose, as the A operand Xᵀ of a product over X's rows.
+// transpose, as the A operand Xᵀ of a product over X's rows. Takes a ScratchLease per call
+// (scratch_arena.h) for 16 rows at a time.
 void TransposeBf16(const uint16_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint16_t* dst, int64_t ld_dst);
 
 }  // namespace tokamax

@@ -6,10 +6,10 @@
 #include <algorithm>
 #include <cstring>
 #include <utility>
-#include <vector>
 
 #include "csrc/core/gemm/bf16_gemm.h"
 #include "csrc/core/base/dtype.h"
+#include "csrc/core/runtime/scratch_arena.h"
 #include "csrc/core/vec/vec.h"  // Exp: the softmax tiers' polynomial, bit for bit
 
 namespace tokamax {
@@ -169,8 +169,8 @@ void TransposeBf16(const uint16_t* src, int64_t ld_src, int64_t rows, int64_t co
   // head sit a cache-set stride apart, and revisiting them per column block missed L1), then
   // each two rows interleave into 32-bit pairs (dst's layout of two adjacent rows) and every
   // 8 x 8 matrix of pairs is transposed as 32-bit lanes.
-  thread_local std::vector<uint16_t> block;  // grow-only: called per tile on the decode path
-  if (block.size() < static_cast<size_t>(16 * cols)) block.resize(16 * cols);
+  ScratchLease scratch;  // nested in the caller's, if any: distinct memory
+  uint16_t* block = scratch.Get<uint16_t>(0, 16 * cols);
   alignas(32) uint32_t pairs[8][8];
   const bool pairs_fit = ld_dst % 2 == 0 && reinterpret_cast<uintptr_t>(dst) % 4 == 0;
   int64_t r0 = 0;
@@ -213,11 +213,9 @@ void PackVnniFromBf16Block(const uint16_t* x, int64_t depth, uint16_t* dst) {
 }
 
 void PackVnniFromBf16Vectors(const uint16_t* const vectors[16], int64_t step, int64_t valid_depth, int64_t depth,
-                                uint16_t* dst) {
-  thread_local std::vector<uint16_t> block;  // grow-only
-  if (block.size() < static_cast<size_t>(16 * depth)) block.resize(16 * depth);
+                                uint16_t* dst, uint16_t* block) {
   for (int64_t j = 0; j < 16; ++j) {
-    uint16_t* row = block.data() + j * depth;
+    uint16_t* row = block + j * depth;
     const uint16_t* src = vectors[j];
     int64_t p = 0;
     if (src != nullptr && step == 1) {
@@ -228,7 +226,7 @@ void PackVnniFromBf16Vectors(const uint16_t* const vectors[16], int64_t step, in
     }
     std::fill(row + p, row + depth, uint16_t{0});
   }
-  PackVnniFromBf16Block(block.data(), depth, dst);
+  PackVnniFromBf16Block(block, depth, dst);
 }
 
 void CopyBf16(const uint16_t* src, int64_t row_stride, int64_t col_stride, int64_t rows, int64_t cols,

@@ -99,7 +99,8 @@ TEST(Bf16PackTest, PackersRoundAndZeroPad) {
     const uint16_t* vectors[16] = {};
     for (int64_t j = 0; j < 5; ++j) vectors[j] = bits.data() + j * 80;
     std::vector<uint16_t> from_vectors(32 * 16, 0xffff);
-    PackVnniFromBf16Vectors(vectors, step, 24, 32, from_vectors.data());
+    std::vector<uint16_t> block(16 * 32);
+    PackVnniFromBf16Vectors(vectors, step, 24, 32, from_vectors.data(), block.data());
     for (int64_t p = 0; p < 32; ++p) {
       for (int64_t j = 0; j < 16; ++j) {
         const float want = j < 5 && p < 24 ? BFloat16ToFloat(bits[j * 80 + p * step]) : 0.0f;

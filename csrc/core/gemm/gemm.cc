@@ -5,12 +5,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
-#include <new>
 #include <cstring>
-#include <memory>
-#include <vector>
 
 #include "csrc/core/base/int_math.h"
+#include "csrc/core/runtime/scratch_arena.h"
 #include "csrc/core/vec/tiers.h"
 
 namespace tokamax {
@@ -56,36 +54,9 @@ const GemmKernels& GetGemmKernels(Isa isa) {
 
 namespace {
 
-// A grow-only, 64-byte aligned float buffer. Contents are never read before being written.
-class ScratchBuffer {
- public:
-  float* Get(int64_t count) {
-    if (count > capacity_) {
-      const size_t bytes = static_cast<size_t>(RoundUp(count * 4, 64));
-      data_.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
-      if (data_ == nullptr) throw std::bad_alloc();
-      capacity_ = count;
-    }
-    return data_.get();
-  }
-
- private:
-  struct Free {
-    void operator()(float* p) const { std::free(p); }
-  };
-  std::unique_ptr<float, Free> data_;
-  int64_t capacity_ = 0;
-};
-
-struct GemmScratch {
-  ScratchBuffer a_pack, b_pack, b_tail, acc;
-  std::vector<uint16_t> a_bf16, b_vnni, rows_bf16;  // the bf16 engines' operands
-};
-
-GemmScratch& ThreadScratch() {
-  thread_local GemmScratch scratch;
-  return scratch;
-}
+// GemmRegion's slots of its ScratchLease: packed A/B panels and the tile accumulator (fp32),
+// the bf16 engines' operands.
+enum GemmScratchSlot : int { kAPack, kBPack, kBTail, kAcc, kABf16, kBVnni, kRowsBf16, kVnniBlock };
 
 // Runs the micro-kernel on B read in place at element (k0, col), of B's own dtype.
 void MicroInPlace(const GemmKernels& kernels, const ConstMatrix& b, int64_t depth, const float* a,
@@ -159,7 +130,7 @@ void PackABf16(const ConstMatrix& a, int64_t row0, int64_t rows, int64_t k0, int
 // B(k0 + p, col0 + j) for p < depth, j < cols in the VNNI panels of bf16_gemm.h, `padded_depth`
 // deep (a multiple of 32) and cols rounded up to 16 wide, zero-padded.
 void PackBVnni(const ConstMatrix& b, int64_t k0, int64_t depth, int64_t padded_depth, int64_t col0, int64_t cols,
-               uint16_t* dst, std::vector<uint16_t>& rows) {
+               uint16_t* dst, ScratchLease& scratch) {
   const uint16_t* origin = static_cast<const uint16_t*>(b.data) + k0 * b.row_stride + col0 * b.col_stride;
   const int64_t padded_cols = RoundUp(cols, kBf16TileRows);
   auto row = [&](int64_t p) { return p < depth ? origin + p * b.row_stride : nullptr; };
@@ -168,25 +139,28 @@ void PackBVnni(const ConstMatrix& b, int64_t k0, int64_t depth, int64_t padded_d
     return;
   }
   if (b.col_stride == 1) {  // the same through a padded copy of each pair (a last partial panel)
-    rows.assign(2 * padded_cols, 0);
+    uint16_t* rows = scratch.Get<uint16_t>(kRowsBf16, 2 * padded_cols);
+    std::fill(rows, rows + 2 * padded_cols, uint16_t{0});
     for (int64_t p = 0; p < padded_depth; p += 2) {
       for (int64_t r = 0; r < 2; ++r) {
-        if (p + r < depth) std::memcpy(rows.data() + r * padded_cols, row(p + r), cols * sizeof(uint16_t));
-        else std::fill(rows.data() + r * padded_cols, rows.data() + (r + 1) * padded_cols, uint16_t{0});
+        if (p + r < depth) std::memcpy(rows + r * padded_cols, row(p + r), cols * sizeof(uint16_t));
+        else std::fill(rows + r * padded_cols, rows + (r + 1) * padded_cols, uint16_t{0});
       }
-      PackVnniPair(rows.data(), rows.data() + padded_cols, p, padded_depth, padded_cols, dst);
+      PackVnniPair(rows, rows + padded_cols, p, padded_depth, padded_cols, dst);
     }
     return;
   }
   // Columns contiguous along the depth (B a transposed view) or any strides: B's columns, 16 at
   // a time, as the vectors of one panel.
+  uint16_t* block = scratch.Get<uint16_t>(kVnniBlock, kBf16TileRows * padded_depth);
   for (int64_t q = 0; q * kBf16TileRows < padded_cols; ++q) {
     const uint16_t* columns[kBf16TileRows] = {};
     for (int64_t j = 0; j < kBf16TileRows; ++j) {
       const int64_t col = q * kBf16TileRows + j;
       if (col < cols) columns[j] = origin + col * b.col_stride;
     }
-    PackVnniFromBf16Vectors(columns, b.row_stride, depth, padded_depth, dst + q * padded_depth * kBf16TileRows);
+    PackVnniFromBf16Vectors(columns, b.row_stride, depth, padded_depth, dst + q * padded_depth * kBf16TileRows,
+                            block);
   }
 }
 
@@ -195,8 +169,7 @@ void PackBVnni(const ConstMatrix& b, int64_t k0, int64_t depth, int64_t padded_d
 // buffer, converted into C by the tier's store_c.
 void GemmRegionBf16(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c,
                     int64_t m0, int64_t m1, int64_t n0, int64_t n1, const GemmBlocking& blocking,
-                    const GemmEpilogue* epilogue) {
-  GemmScratch& scratch = ThreadScratch();
+                    const GemmEpilogue* epilogue, ScratchLease& scratch) {
   const Bf16ProductScope scope(kernels.bf16);
   const int64_t depth_total = a.cols;
   const int64_t rows = m1 - m0;
@@ -206,19 +179,19 @@ void GemmRegionBf16(const GemmKernels& kernels, const ConstMatrix& a, const Cons
   for (int64_t jc = n0; jc < n1; jc += blocking.block_n) {
     const int64_t cols = std::min(blocking.block_n, n1 - jc);
     const int64_t cols_padded = RoundUp(cols, kBf16TileRows);
-    float* acc = scratch.acc.Get(rows_padded * cols_padded);
+    float* acc = scratch.Get<float>(kAcc, rows_padded * cols_padded);
     if (depth_total == 0) std::memset(acc, 0, sizeof(float) * rows_padded * cols_padded);
     for (int64_t pc = 0; pc < depth_total; pc += block_k) {
       const int64_t depth = std::min(block_k, depth_total - pc);
       const int64_t padded_depth = RoundUp(depth, kBf16TileDepth);
-      scratch.b_vnni.resize(padded_depth * cols_padded);
-      PackBVnni(b, pc, depth, padded_depth, jc, cols, scratch.b_vnni.data(), scratch.rows_bf16);
+      uint16_t* b_vnni = scratch.Get<uint16_t>(kBVnni, padded_depth * cols_padded);
+      PackBVnni(b, pc, depth, padded_depth, jc, cols, b_vnni, scratch);
       for (int64_t ic = m0; ic < m1; ic += block_m) {
         const int64_t block_rows = std::min(block_m, m1 - ic);
         const int64_t tile_rows = RoundUp(block_rows, kBf16TileRows);
-        scratch.a_bf16.resize(tile_rows * padded_depth);
-        PackABf16(a, ic, block_rows, pc, depth, scratch.a_bf16.data(), padded_depth);
-        kernels.bf16.gemm(tile_rows, cols_padded, padded_depth, scratch.a_bf16.data(), padded_depth, scratch.b_vnni.data(),
+        uint16_t* a_bf16 = scratch.Get<uint16_t>(kABf16, tile_rows * padded_depth);
+        PackABf16(a, ic, block_rows, pc, depth, a_bf16, padded_depth);
+        kernels.bf16.gemm(tile_rows, cols_padded, padded_depth, a_bf16, padded_depth, b_vnni,
                     acc + (ic - m0) * cols_padded, cols_padded, pc > 0, 1.0f);
       }
     }
@@ -248,11 +221,12 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
   // 15 ms on the engine against 27-31 ms widened.
   const bool b_read_in_place = !blocking.pack_b && b.col_stride == 1;
   const bool few_rows_in_place = b_read_in_place && m1 - m0 < kBf16TileRows;
+  // Once per region: the lease's two mutex round trips are nothing beside the region's tiles.
+  ScratchLease scratch;
   if (kernels.bf16 && a.dtype == DType::kBFloat16 && b.dtype == DType::kBFloat16 && !few_rows_in_place) {
-    GemmRegionBf16(kernels, a, b, c, m0, m1, n0, n1, blocking, epilogue);
+    GemmRegionBf16(kernels, a, b, c, m0, m1, n0, n1, blocking, epilogue, scratch);
     return;
   }
-  GemmScratch& scratch = ThreadScratch();
   const int64_t mr = kernels.mr;
   const int64_t nr = kernels.nr;
   const int64_t depth_total = a.cols;
@@ -269,7 +243,7 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
     const int64_t cols = std::min(blocking.block_n, n1 - jc);
     const int64_t cols_padded = RoundUp(cols, nr);
     const int64_t full_panels = cols / nr;
-    float* acc = scratch.acc.Get(rows_padded * cols_padded);
+    float* acc = scratch.Get<float>(kAcc, rows_padded * cols_padded);
     if (depth_total == 0) std::memset(acc, 0, sizeof(float) * rows_padded * cols_padded);
 
     for (int64_t pc = 0; pc < depth_total; pc += block_k) {
@@ -278,17 +252,17 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
       float* b_pack = nullptr;
       float* b_tail = nullptr;
       if (!in_place_b) {
-        b_pack = scratch.b_pack.Get(depth * cols_padded);
+        b_pack = scratch.Get<float>(kBPack, depth * cols_padded);
         kernels.pack_b(b, pc, depth, jc, cols, b_pack);
       } else if (cols > full_panels * nr) {
         // The last, partial panel is packed so the micro-kernel never reads past B's columns.
-        b_tail = scratch.b_tail.Get(depth * nr);
+        b_tail = scratch.Get<float>(kBTail, depth * nr);
         kernels.pack_b(b, pc, depth, jc + full_panels * nr, cols - full_panels * nr, b_tail);
       }
 
       for (int64_t ic = m0; ic < m1; ic += block_m) {
         const int64_t block_rows = std::min(block_m, m1 - ic);
-        float* a_pack = scratch.a_pack.Get(RoundUp(block_rows, mr) * depth);
+        float* a_pack = scratch.Get<float>(kAPack, RoundUp(block_rows, mr) * depth);
         kernels.pack_a(a, ic, block_rows, pc, depth, a_pack);
         float* acc_block = acc + (ic - m0) * cols_padded;
 

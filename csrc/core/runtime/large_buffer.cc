@@ -1,11 +1,16 @@
 #include "csrc/core/runtime/large_buffer.h"
 
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <new>
 #include <utility>
 #include <vector>
+
+#include "csrc/core/runtime/scratch_arena.h"
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -69,26 +74,26 @@ class MappingCache {
     return taken;
   }
 
-  // Keeps `m` when it fits the limit, evicting the oldest mappings for it; else unmaps it.
+  // Keeps `m` when it fits its share of the limit, evicting the oldest mappings for it; else
+  // unmaps it.
   void Give(Mapping m) {
     std::vector<Mapping> evicted;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (m.bytes > limit_) {
+      const size_t share = Share();
+      if (m.bytes > share) {
         evicted.push_back(m);
       } else {
         free_.push_back(m);
         cached_ += m.bytes;
-        EvictOver(limit_, &evicted);
+        EvictOver(share, &evicted);
       }
     }
     Unmap(evicted);
   }
 
-  size_t limit() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return limit_;
-  }
+  // Read by every scratch lease's end: an atomic, no lock.
+  size_t limit() const { return limit_.load(std::memory_order_relaxed); }
 
   size_t cached() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -96,7 +101,10 @@ class MappingCache {
   }
 
   // Sets the limit and evicts what no longer fits.
-  void SetLimit(size_t bytes) { Evict(&bytes, bytes); }
+  void SetLimit(size_t bytes) { Evict(&bytes, SIZE_MAX); }
+
+  // Evicts what no longer fits the share the scratch arenas leave.
+  void Trim() { Evict(nullptr, SIZE_MAX); }
 
   // Unmaps everything cached; the limit stays.
   void Clear() { Evict(nullptr, 0); }
@@ -104,13 +112,22 @@ class MappingCache {
  private:
   MappingCache() : limit_(LimitFromEnvironment()) {}
 
-  // Sets the limit when `new_limit` is given, then evicts down to `keep` bytes.
+  // The limit less what the scratch arenas hold (scratch_arena.h): one limit covers both, the
+  // arenas first.
+  size_t Share() const {
+    const size_t limit = limit_.load(std::memory_order_relaxed);
+    const size_t scratch = ScratchHeldBytes();
+    return scratch < limit ? limit - scratch : 0;
+  }
+
+  // Sets the limit when `new_limit` is given, then evicts down to `keep` bytes or the share,
+  // whichever is less.
   void Evict(const size_t* new_limit, size_t keep) {
     std::vector<Mapping> evicted;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (new_limit != nullptr) limit_ = *new_limit;
-      EvictOver(keep, &evicted);
+      if (new_limit != nullptr) limit_.store(*new_limit, std::memory_order_relaxed);
+      EvictOver(std::min(keep, Share()), &evicted);
     }
     Unmap(evicted);
   }
@@ -137,7 +154,7 @@ class MappingCache {
   std::mutex mutex_;
   std::vector<Mapping> free_;
   size_t cached_ = 0;
-  size_t limit_;
+  std::atomic<size_t> limit_;  // written under mutex_
 };
 
 }  // namespace
@@ -221,5 +238,7 @@ void SetLargeBufferCacheLimit(size_t bytes) { MappingCache::Get().SetLimit(bytes
 size_t LargeBufferCachedBytes() { return MappingCache::Get().cached(); }
 
 void ReleaseLargeBufferCache() { MappingCache::Get().Clear(); }
+
+void TrimLargeBufferCache() { MappingCache::Get().Trim(); }
 
 }  // namespace tokamax

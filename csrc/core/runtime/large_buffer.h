@@ -5,7 +5,8 @@
 // kernel, so each call would fault its buffers in again, zeroed page by page. Measured on Zen 4
 // (2 vCPUs, KVM), causal fp32 attention forward+backward at T=S=2048, N=K=16: page faults were
 // ~10% of the samples. The cache holds at most LargeBufferCacheLimit() bytes (environment
-// variable TOKAMAX_BUFFER_CACHE_MIB, default 256; 0 turns it off).
+// variable TOKAMAX_BUFFER_CACHE_MIB, default 256; 0 turns it off) less what the scratch arenas
+// hold (scratch_arena.h): the one limit bounds all cached working memory.
 #pragma once
 
 #include <cstddef>
@@ -38,11 +39,13 @@ class LargeBufferBytes {
 };
 
 // The cache of released mappings (thread-safe). Setting the limit evicts what no longer fits;
-// ReleaseLargeBufferCache unmaps everything cached and keeps the limit.
+// ReleaseLargeBufferCache unmaps everything cached and keeps the limit; TrimLargeBufferCache
+// evicts what no longer fits beside the scratch arenas (called when they grew).
 size_t LargeBufferCacheLimit();
 void SetLargeBufferCacheLimit(size_t bytes);
 size_t LargeBufferCachedBytes();
 void ReleaseLargeBufferCache();
+void TrimLargeBufferCache();
 
 // `count` T (trivial types: float, uint16_t), zero-initialised when `zeroed`; the caller
 // writes every element it reads otherwise.

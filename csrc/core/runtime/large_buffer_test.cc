@@ -2,6 +2,7 @@
 // movable without a double free; the cache of released mappings reuses, zeroes on request and
 // stays within its limit.
 #include "csrc/core/runtime/large_buffer.h"
+#include "csrc/core/runtime/scratch_arena.h"
 
 #include <gtest/gtest.h>
 
@@ -50,7 +51,8 @@ class LargeBufferCacheTest : public ::testing::Test {
   void SetUp() override {
     saved_limit_ = LargeBufferCacheLimit();
     SetLargeBufferCacheLimit(size_t{256} << 20);
-    ReleaseLargeBufferCache();
+    // Scratch arenas of earlier tests in this process would shrink the cache's share.
+    ReleaseCachedWorkingMemory();
   }
   void TearDown() override {
     ReleaseLargeBufferCache();

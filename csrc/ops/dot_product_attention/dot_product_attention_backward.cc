@@ -20,13 +20,6 @@ bool UseBf16ProductsBackward(const DotProductAttentionGradParams& g, const Kerne
          g.forward.v.sizes[3] % kBf16TileDepth == 0;
 }
 
-struct BackwardScratch {
-  std::vector<float> q_panels, q_rows, do_panels, do_rows, q_bpanels, do_bpanels, k_panels, k_rows, v_panels, st, dpt,
-      tanh, a_panels, dq_acc, lse_sub, delta;
-  std::vector<uint16_t> q_vnni, do_vnni, q_row_vnni, do_row_vnni, tile_rows, tile_vnni;  // bf16 engine operands
-  RowMasks row_masks;
-};
-
 // The bf16 engine's operands of the backward: K as rows (K·Qᵀ) and transposed (Kᵀ·dS), V as rows (V·dOᵀ).
 struct Bf16BackwardOperands {
   Bf16MatrixCopy k_rows, k_t, v_rows;
@@ -44,7 +37,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
                   int64_t qb_end, float* dk_acc, int64_t ld_dk, float* dv_acc, int64_t ld_dv,
                   const PackedMatrixTiles& k_tiles, const PackedMatrixTiles& v_tiles,
                   const PackedMatrixTiles& k_row_tiles,
-                  const Bf16BackwardOperands* bf16_ops, BackwardScratch& s) {
+                  const Bf16BackwardOperands* bf16_ops, TaskScratch& s) {
   const DotProductAttentionParams& p = g.forward;
   const bool bf16 = bf16_ops != nullptr;
   const StridedView<4> out = p.out.AsConst();
@@ -56,38 +49,38 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
   const int64_t ld_dq = RoundUp(d.head_dim, nr);
   const int64_t kv_rows = std::max(RoundUp(block, mr), RoundUp(block, kBf16TileDepth));
 
-  float* q_panels = Scratch(s.q_panels, max_cols * d.head_dim);
-  float* q_rows = Scratch(s.q_rows, max_rows * ld_dq);
-  float* do_panels = Scratch(s.do_panels, max_cols * d.value_dim);
-  float* do_rows = Scratch(s.do_rows, max_rows * ld_dv);
-  float* q_bpanels = Scratch(s.q_bpanels, max_rows * ld_dq);
-  float* do_bpanels = Scratch(s.do_bpanels, max_rows * ld_dv);
-  float* k_panels = Scratch(s.k_panels, k_tiles.tile_floats());
-  float* k_rows = Scratch(s.k_rows, k_row_tiles.tile_floats());
-  float* v_panels = Scratch(s.v_panels, v_tiles.tile_floats());
+  float* q_panels = Scratch<float>(s, kQPanels, max_cols * d.head_dim);
+  float* q_rows = Scratch<float>(s, kQRows, max_rows * ld_dq);
+  float* do_panels = Scratch<float>(s, kDoPanels, max_cols * d.value_dim);
+  float* do_rows = Scratch<float>(s, kDoRows, max_rows * ld_dv);
+  float* q_bpanels = Scratch<float>(s, kQBPanels, max_rows * ld_dq);
+  float* do_bpanels = Scratch<float>(s, kDoBPanels, max_rows * ld_dv);
+  float* k_panels = Scratch<float>(s, kKPanels, k_tiles.tile_floats());
+  float* k_rows = Scratch<float>(s, kKRows, k_row_tiles.tile_floats());
+  float* v_panels = Scratch<float>(s, kVPanels, v_tiles.tile_floats());
   // P, dPᵀ and the soft cap's tanh as [key][row] tiles, SetSpreadingLd(cols) apart (dQ reads dS
   // in place as A).
   const int64_t max_ld_st = SetSpreadingLd(max_cols);
-  float* st = Scratch(s.st, kv_rows * max_ld_st);
-  float* dpt = InPlaceTileScratch(s.dpt, kv_rows, max_ld_st);
-  float* tanh_values = p.logits_soft_cap > 0.0f ? Scratch(s.tanh, kv_rows * max_ld_st) : nullptr;
+  float* st = Scratch<float>(s, kSt, kv_rows * max_ld_st);
+  float* dpt = InPlaceTileScratch(s, kDpt, kv_rows, max_ld_st);
+  float* tanh_values = p.logits_soft_cap > 0.0f ? Scratch<float>(s, kTanh, kv_rows * max_ld_st) : nullptr;
   // Packed P or dS, the O rows before the first tile, and for bf16 dQ as rows after the last.
-  float* a_panels = Scratch(s.a_panels, std::max({kv_rows * max_cols, max_rows * ld_dv, max_rows * ld_dq}));
-  float* dq_acc = Scratch(s.dq_acc, std::max(RoundUp(max_rows, mr) * ld_dq, d.head_dim * max_cols));
-  float* lse_sub = Scratch(s.lse_sub, max_cols);
-  float* delta = Scratch(s.delta, max_cols);
+  float* a_panels = Scratch<float>(s, kAPanels, std::max({kv_rows * max_cols, max_rows * ld_dv, max_rows * ld_dq}));
+  float* dq_acc = Scratch<float>(s, kDqAcc, std::max(RoundUp(max_rows, mr) * ld_dq, d.head_dim * max_cols));
+  float* lse_sub = Scratch<float>(s, kLseSub, max_cols);
+  float* delta = Scratch<float>(s, kDelta, max_cols);
   // bf16: the block's rows as VNNI panels over H or Hv (B of K·Qᵀ, V·dOᵀ) and over the rows
   // (B of dS·Q, P·dO), and one bf16 tile (P, then dS) as rows and as VNNI key pairs.
   uint16_t *q_vnni = nullptr, *do_vnni = nullptr, *q_row_vnni = nullptr, *do_row_vnni = nullptr;
   uint16_t *tile_rows = nullptr, *tile_vnni = nullptr;
   std::unique_ptr<Bf16ProductScope> scope;
   if (bf16) {
-    q_vnni = Scratch(s.q_vnni, max_cols * d.head_dim);
-    do_vnni = Scratch(s.do_vnni, max_cols * d.value_dim);
-    q_row_vnni = Scratch(s.q_row_vnni, max_cols * d.head_dim);
-    do_row_vnni = Scratch(s.do_row_vnni, max_cols * d.value_dim);
-    tile_rows = Scratch(s.tile_rows, kv_rows * max_cols);
-    tile_vnni = Scratch(s.tile_vnni, kv_rows * max_cols);
+    q_vnni = Scratch<uint16_t>(s, kQVnni, max_cols * d.head_dim);
+    do_vnni = Scratch<uint16_t>(s, kDoVnni, max_cols * d.value_dim);
+    q_row_vnni = Scratch<uint16_t>(s, kQRowVnni, max_cols * d.head_dim);
+    do_row_vnni = Scratch<uint16_t>(s, kDoRowVnni, max_cols * d.value_dim);
+    tile_rows = Scratch<uint16_t>(s, kTileRows, kv_rows * max_cols);
+    tile_vnni = Scratch<uint16_t>(s, kTileVnni, kv_rows * max_cols);
     scope.reset(new Bf16ProductScope(k.bf16));
   }
 
@@ -112,8 +105,8 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
       GatherRows(*k.softmax, p.q, rows, d.head_dim, bf16 ? 1.0f : p.scale, q_rows, ld_dq);
       GatherRows(*k.softmax, g.dout, rows, d.value_dim, 1.0f, do_rows, ld_dv);
       if (bf16) {
-        PackRowsVnni(p.q, rows, cols, q_vnni);
-        PackRowsVnni(g.dout, rows, cols, do_vnni);
+        PackRowsVnni(p.q, rows, cols, q_vnni, s);
+        PackRowsVnni(g.dout, rows, cols, do_vnni, s);
         PackVnniFromRows(q_rows, ld_dq, count, cols, d.head_dim, q_row_vnni);
         PackVnniFromRows(do_rows, ld_dv, count, cols, d.value_dim, do_row_vnni);
       } else {
@@ -284,7 +277,7 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
     const int64_t num_tasks = heads_per_pool * splits;
     std::atomic<int64_t> next{0};
     ParallelFor(0, num_tasks, 1, [&](int64_t, int64_t) {
-      thread_local BackwardScratch scratch;
+      TaskScratch scratch;  // once per thread and call, not per task
       for (int64_t task = next.fetch_add(1); task < num_tasks; task = next.fetch_add(1)) {
         const int64_t split = task % splits, head = pool * heads_per_pool + task / splits;
         const int64_t qb_begin = q_blocks * split / splits, qb_end = q_blocks * (split + 1) / splits;

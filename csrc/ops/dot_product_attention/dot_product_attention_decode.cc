@@ -36,7 +36,7 @@ constexpr int64_t kRowRunKeys = 16;
 
 void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Kernels& k,
                     const DotProductAttentionConfig& config, const TaskRows& task, int64_t kv_begin, int64_t kv_end,
-                    int64_t split, SplitPartials* partials, ForwardScratch& s) {
+                    int64_t split, SplitPartials* partials, TaskScratch& s) {
   TaskRows rows = task;
   rows.kv_head = 0;
   rows.group = d.q_heads;
@@ -50,19 +50,19 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
   float* q = nullptr;  // row r: scale · q[t(r), n(r)]
   uint16_t* q_bf16 = nullptr;  // row r: q[t(r), n(r)]
   if (bf16_rows) {
-    q_bf16 = Scratch(s.q_bf16_rows, count * head_dim);
+    q_bf16 = Scratch<uint16_t>(s, kQBf16Rows, count * head_dim);
     GatherRowsBf16(p.q, rows, q_bf16, head_dim);
   } else {
-    q = Scratch(s.q_rows, count * head_dim);
+    q = Scratch<float>(s, kQRows, count * head_dim);
     GatherRows(*k.softmax, p.q, rows, head_dim, p.scale, q, head_dim);
   }
-  float* st = Scratch(s.st, block * cols);
-  float* acc = Scratch(s.acc, count * value_dim);
-  float* max = Scratch(s.max, cols);
-  float* sum = Scratch(s.sum, cols);
-  float* sub = Scratch(s.sub, cols);
-  float* alpha = Scratch(s.alpha, cols);
-  float* tile_max = Scratch(s.tile_max, cols);
+  float* st = Scratch<float>(s, kSt, block * cols);
+  float* acc = Scratch<float>(s, kAcc, count * value_dim);
+  float* max = Scratch<float>(s, kMax, cols);
+  float* sum = Scratch<float>(s, kSum, cols);
+  float* sub = Scratch<float>(s, kSub, cols);
+  float* alpha = Scratch<float>(s, kAlpha, cols);
+  float* tile_max = Scratch<float>(s, kTileMax, cols);
   // key_dots writes the real columns only; the softmax reads all of them, so the padding
   // columns start finite (and stay so: exp of finite values).
   std::fill(st, st + block * cols, 0.0f);

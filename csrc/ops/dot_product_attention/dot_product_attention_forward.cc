@@ -47,7 +47,7 @@ void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, in
 void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernels& k,
                  const DotProductAttentionConfig& config, const TaskRows& rows, int64_t kv_begin, int64_t kv_end,
                  int64_t split, SplitPartials* partials, const PackedMatrixTiles& k_tiles,
-                 const PackedMatrixTiles& v_tiles, const Bf16MatrixCopy* bf16_k, const Bf16MatrixCopy* bf16_vt, ForwardScratch& s) {
+                 const PackedMatrixTiles& v_tiles, const Bf16MatrixCopy* bf16_k, const Bf16MatrixCopy* bf16_vt, TaskScratch& s) {
   const bool bf16 = bf16_k != nullptr;
   const GemmKernels& gemm = *k.gemm;
   const int64_t mr = gemm.mr, nr = gemm.nr;
@@ -59,30 +59,30 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   const int64_t block = config.block_kv;
   const int64_t q_floats = cols * d.head_dim;  // Q as fp32 panels, or (bf16) bf16 VNNI panels
 
-  float* q_panels = bf16 ? nullptr : Scratch(s.q_panels, q_floats);
-  uint16_t* q_vnni = bf16 ? Scratch(s.q_vnni, q_floats) : nullptr;
-  float* k_panels = Scratch(s.k_panels, k_tiles.tile_floats());
+  float* q_panels = bf16 ? nullptr : Scratch<float>(s, kQPanels, q_floats);
+  uint16_t* q_vnni = bf16 ? Scratch<uint16_t>(s, kQVnni, q_floats) : nullptr;
+  float* k_panels = Scratch<float>(s, kKPanels, k_tiles.tile_floats());
   const int64_t st_rows = std::max(RoundUp(block, mr), RoundUp(block, kBf16TileDepth));
   // P·V reads st in place as A: one key's rows per depth step, ld_st apart.
   const int64_t ld_st = SetSpreadingLd(cols);
-  float* st = InPlaceTileScratch(s.st, st_rows, ld_st);
-  float* v_panels = Scratch(s.v_panels, v_tiles.tile_floats());
-  uint16_t* p_vnni = bf16 ? Scratch(s.p_vnni, st_rows * cols) : nullptr;
-  float* acc = Scratch(s.acc, acc_floats);
-  float* max = Scratch(s.max, cols);
-  float* sum = Scratch(s.sum, cols);
-  float* sub = Scratch(s.sub, cols);
-  float* alpha = Scratch(s.alpha, cols);
-  float* tile_max = Scratch(s.tile_max, cols);
+  float* st = InPlaceTileScratch(s, kSt, st_rows, ld_st);
+  float* v_panels = Scratch<float>(s, kVPanels, v_tiles.tile_floats());
+  uint16_t* p_vnni = bf16 ? Scratch<uint16_t>(s, kPVnni, st_rows * cols) : nullptr;
+  float* acc = Scratch<float>(s, kAcc, acc_floats);
+  float* max = Scratch<float>(s, kMax, cols);
+  float* sum = Scratch<float>(s, kSum, cols);
+  float* sub = Scratch<float>(s, kSub, cols);
+  float* alpha = Scratch<float>(s, kAlpha, cols);
+  float* tile_max = Scratch<float>(s, kTileMax, cols);
   std::fill(acc, acc + acc_floats, 0.0f);
   std::fill(max, max + cols, kNegInf);
   std::fill(sum, sum + cols, 0.0f);
   std::unique_ptr<Bf16ProductScope> scope;
   if (bf16) {
     scope.reset(new Bf16ProductScope(k.bf16));
-    PackRowsVnni(p.q, rows, cols, q_vnni);
+    PackRowsVnni(p.q, rows, cols, q_vnni, s);
   } else {
-    float* q_rows = Scratch(s.q_rows, count * d.head_dim);
+    float* q_rows = Scratch<float>(s, kQRows, count * d.head_dim);
     GatherRows(*k.softmax, p.q, rows, d.head_dim, p.scale, q_rows, d.head_dim);
     k.softmax->transpose_panels(q_rows, d.head_dim, count, d.head_dim, nr, q_panels);
   }
@@ -120,7 +120,7 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
   const float* out = acc;
   int64_t ld_out = ld_acc;
   if (bf16) {
-    float* out_rows = Scratch(s.out_rows, count * d.value_dim);
+    float* out_rows = Scratch<float>(s, kOutRows, count * d.value_dim);
     k.softmax->transpose_panels(acc, ld_acc, d.value_dim, count, d.value_dim, out_rows);
     out = out_rows;
     ld_out = d.value_dim;
@@ -221,7 +221,7 @@ Status DotProductAttention(const DotProductAttentionParams& p, const DotProductA
   const int64_t num_tasks = d.batch * head_groups * q_blocks * splits;
   std::atomic<int64_t> next{0};
   ParallelFor(0, num_tasks, 1, [&](int64_t, int64_t) {
-    thread_local ForwardScratch scratch;
+    TaskScratch scratch;  // once per thread and call, not per task
     for (int64_t task = next.fetch_add(1); task < num_tasks; task = next.fetch_add(1)) {
       const int64_t split = task % splits;
       const int64_t qb = q_blocks - 1 - (task / splits) % q_blocks;

@@ -23,6 +23,7 @@
 #include "csrc/core/softmax/softmax_kernels.h"
 #include "csrc/core/base/status.h"
 #include "csrc/core/base/strided_view.h"
+#include "csrc/core/runtime/scratch_arena.h"
 #include "csrc/ops/dot_product_attention/attention_masks.h"
 #include "csrc/ops/dot_product_attention/attention_row_products.h"
 #include "csrc/ops/dot_product_attention/dot_product_attention.h"
@@ -59,24 +60,10 @@ inline Dims DimsOf(const DotProductAttentionParams& p) {
   return d;
 }
 
-
 // view[i0, i1, i2, e] = scale * values[e] for e < count, converted to the view's dtype (one
 // dtype dispatch per row, not per element).
 void StoreRow(const MutableStridedView<4>& view, int64_t i0, int64_t i1, int64_t i2, const float* values,
               int64_t count, float scale);
-
-// Grow-only per-thread scratch (fp32, or bf16 for the bf16 engines' operands); resized, never shrunk, so
-// steady-state calls do not allocate.
-template <typename T>
-T* Scratch(std::vector<T>& buffer, int64_t count) {
-  if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
-  return buffer.data();
-}
-
-// A tile of `rows` x `ld` floats that TileGemm reads in place as A (InPlaceA): whole mr-row
-// panels may read up to mr - 1 floats past the last row's `cols`, so one spare row follows,
-// zeroed; what it holds only feeds accumulator rows that are never stored.
-float* InPlaceTileScratch(std::vector<float>& buffer, int64_t rows, int64_t ld);
 
 // The rows of a task: (position t, query head n) for t in [t0, t0 + positions), n in the group.
 struct TaskRows {
@@ -95,10 +82,13 @@ void GatherRows(const SoftmaxKernels& kernels, const StridedView<4>& x, const Ta
 // The task's rows of a bf16 X as they are, row r at dst + r * ld (the bf16 row products' query).
 void GatherRowsBf16(const StridedView<4>& x, const TaskRows& rows, uint16_t* dst, int64_t ld);
 
+struct TaskScratch;
+
 // B(h, r) = X[row r][h] for the task's rows of a bf16 X (q or dout), zero for count <= r <
 // cols: X's rows transposed into the VNNI panels of bf16_gemm.h, depth X's head dim (even). Each
 // 16 rows are gathered contiguous (read whole, once), then transposed as 32-bit pairs; exact.
-void PackRowsVnni(const StridedView<4>& x, const TaskRows& rows, int64_t cols, uint16_t* dst);
+// `s`'s slot kRowsVnniBlock holds the 16 rows.
+void PackRowsVnni(const StridedView<4>& x, const TaskRows& rows, int64_t cols, uint16_t* dst, TaskScratch& s);
 
 // What a task's rows can see of kv tile [s0, s1).
 enum class TileVisibility { kNone, kPartial, kFull };
@@ -109,6 +99,34 @@ struct RowMasks {
   int32_t min_segment = 0, max_segment = 0;  // of the task's query positions (when segmented)
   std::vector<float> lo, hi;                // per column: the current tile's visible rows (SetTileRanges)
 };
+
+// The slots of a task's scratch, forward (ForwardTask, ForwardRowTask) and backward: fp32, or
+// bf16 for the bf16 engines' operands.
+enum TaskScratchSlot : int {
+  kQPanels, kQRows, kKPanels, kSt, kVPanels, kAcc, kMax, kSum, kSub, kAlpha, kTileMax, kOutRows,
+  kQVnni, kPVnni, kQBf16Rows, kRowsVnniBlock,
+  kDoPanels, kDoRows, kQBPanels, kDoBPanels, kKRows, kDpt, kTanh, kAPanels, kDqAcc, kLseSub, kDelta,
+  kDoVnni, kQRowVnni, kDoRowVnni, kTileRows, kTileVnni, kNumTaskScratchSlots
+};
+static_assert(kNumTaskScratchSlots <= ScratchLease::kSlots, "one lease's slots");
+
+// One thread's scratch for its tasks of one call: the thread's ScratchLease (scratch_arena.h),
+// taken once per ParallelFor chunk, so steady-state calls do not allocate, and the row masks
+// (a few small vectors, freed with the chunk).
+struct TaskScratch {
+  ScratchLease lease;
+  RowMasks row_masks;
+};
+
+template <typename T>
+T* Scratch(TaskScratch& s, TaskScratchSlot slot, int64_t count) {
+  return s.lease.Get<T>(slot, count);
+}
+
+// A tile of `rows` x `ld` floats that TileGemm reads in place as A (InPlaceA): whole mr-row
+// panels may read up to mr - 1 floats past the last row's `cols`, so one spare row follows,
+// zeroed; what it holds only feeds accumulator rows that are never stored.
+float* InPlaceTileScratch(TaskScratch& s, TaskScratchSlot slot, int64_t rows, int64_t ld);
 
 void ComputeRowMasks(const AttentionMasks& m, const TaskRows& rows, int64_t kv_len, RowMasks* out);
 
@@ -169,12 +187,6 @@ struct SplitPartials {
   }
 };
 
-struct ForwardScratch {
-  std::vector<float> q_panels, q_rows, k_panels, st, v_panels, acc, max, sum, sub, alpha, tile_max, out_rows;
-  std::vector<uint16_t> q_vnni, p_vnni, q_bf16_rows;  // bf16 operands (engine; row path)
-  RowMasks row_masks;
-};
-
 // One finished row of a task: to the output (and logsumexp), or to its split's partials.
 void FinishRow(const DotProductAttentionParams& p, const Dims& d, int64_t b, int64_t t, int64_t n,
                const float* row_acc, float row_max, float row_sum, int64_t split, SplitPartials* partials);
@@ -187,7 +199,7 @@ void FinishRow(const DotProductAttentionParams& p, const Dims& d, int64_t b, int
 // place in runs of kRowRunKeys keys across the heads.
 void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Kernels& k,
                     const DotProductAttentionConfig& config, const TaskRows& task, int64_t kv_begin, int64_t kv_end,
-                    int64_t split, SplitPartials* partials, ForwardScratch& s);
+                    int64_t split, SplitPartials* partials, TaskScratch& s);
 
 }  // namespace attention
 }  // namespace tokamax

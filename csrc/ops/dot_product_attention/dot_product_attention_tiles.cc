@@ -37,8 +37,8 @@ void StoreRow(const MutableStridedView<4>& view, int64_t i0, int64_t i1, int64_t
   });
 }
 
-float* InPlaceTileScratch(std::vector<float>& buffer, int64_t rows, int64_t ld) {
-  float* tile = Scratch(buffer, (rows + 1) * ld);
+float* InPlaceTileScratch(TaskScratch& s, TaskScratchSlot slot, int64_t rows, int64_t ld) {
+  float* tile = Scratch<float>(s, slot, (rows + 1) * ld);
   std::fill(tile + rows * ld, tile + (rows + 1) * ld, 0.0f);
   return tile;
 }
@@ -69,15 +69,16 @@ void GatherRowsBf16(const StridedView<4>& x, const TaskRows& rows, uint16_t* dst
   }
 }
 
-void PackRowsVnni(const StridedView<4>& x, const TaskRows& rows, int64_t cols, uint16_t* dst) {
+void PackRowsVnni(const StridedView<4>& x, const TaskRows& rows, int64_t cols, uint16_t* dst, TaskScratch& s) {
   const int64_t depth = x.sizes[3];
+  uint16_t* block = Scratch<uint16_t>(s, kRowsVnniBlock, kBf16TileRows * depth);
   for (int64_t r0 = 0; r0 < cols; r0 += kBf16TileRows) {
     const uint16_t* vectors[kBf16TileRows] = {};
     for (int64_t j = 0; j < kBf16TileRows && r0 + j < rows.count(); ++j) {
       const int64_t r = r0 + j;
       vectors[j] = static_cast<const uint16_t*>(x.At(rows.b, rows.t(r), rows.n(r), 0));
     }
-    PackVnniFromBf16Vectors(vectors, x.strides[3], depth, depth, dst + r0 * depth);
+    PackVnniFromBf16Vectors(vectors, x.strides[3], depth, depth, dst + r0 * depth, block);
   }
 }
 
