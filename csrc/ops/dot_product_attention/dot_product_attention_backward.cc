@@ -167,7 +167,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
           k.bf16.gemm(key_tiles, cols, d.value_dim, bf16_ops->v_rows.At(b, kv_head, s0), bf16_ops->v_rows.ld(), do_vnni,
                       dpt, ld_st, false, 1.0f);
         } else {
-          gemm.pack_a({st, DType::kFloat32, keys, count, ld_st, 1}, 0, keys, 0, count, a_panels);
+          gemm.pack_a({st, DType::kFloat32, keys, count, ld_st, 1}, 0, keys, 0, count, nullptr, a_panels);
           TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, PackedB(do_bpanels, count, nr), ld_dv / nr,
                    dv_acc + s0 * ld_dv, ld_dv, true);
           TileGemm(gemm, d.value_dim, v_tiles.Tile(b, kv_head, s0, keys, v_panels), key_panels,
@@ -199,7 +199,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
           k.bf16.gemm(d.head_dim, cols, depth, bf16_ops->k_t.At(b, kv_head, s0), bf16_ops->k_t.ld(), tile_vnni, dq_acc,
                       cols, true, 1.0f);
         } else {
-          gemm.pack_a({dpt, DType::kFloat32, keys, count, ld_st, 1}, 0, keys, 0, count, a_panels);
+          gemm.pack_a({dpt, DType::kFloat32, keys, count, ld_st, 1}, 0, keys, 0, count, nullptr, a_panels);
           TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, PackedB(q_bpanels, count, nr), ld_dk / nr,
                    dk_acc + s0 * ld_dk, ld_dk, true);
           TileGemm(gemm, keys, InPlaceA(dpt, ld_st, mr), row_panels, k_row_tiles.Tile(b, kv_head, s0, keys, k_rows),
