@@ -59,10 +59,11 @@ inline Dims DimsOf(const DotProductAttentionParams& p) {
 }
 
 
-// view[i0, i1, i2, e] = scale * values[e] for e < count, converted to the view's dtype (one
-// dtype dispatch per row, not per element).
-void StoreRow(const MutableStridedView<4>& view, int64_t i0, int64_t i1, int64_t i2, const float* values,
-              int64_t count, float scale);
+// view[i0, i1, i2, e] = scale * values[e] for e < count, converted to the view's dtype: the
+// GEMM's one store (GemmKernels::store_c with a GemmEpilogue's scale), vectorized in the tier's
+// file. values is rewritten (scaled in place).
+void StoreRow(const GemmKernels& gemm, const MutableStridedView<4>& view, int64_t i0, int64_t i1, int64_t i2,
+              float* values, int64_t count, float scale);
 
 // Grow-only per-thread scratch (fp32, or bf16 for the bf16 engines' operands); resized, never shrunk, so
 // steady-state calls do not allocate.
