@@ -214,7 +214,9 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
       dq_rows = a_panels;
       ld_rows = d.head_dim;
     }
-    for (int64_t r = 0; r < count; ++r) StoreRow(gemm, g.dq, b, rows.t(r), rows.n(r), dq_rows + r * ld_rows, d.head_dim, p.scale);
+    for (int64_t r = 0; r < count; ++r) {
+      StoreRow(gemm, g.dq, b, rows.t(r), rows.n(r), dq_rows + r * ld_rows, d.head_dim, p.scale);
+    }
   }
 }
 
@@ -311,7 +313,8 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
         }
       };
       sum_splits(dk_acc, ld_dk, d.head_dim);
-      StoreRow(*k.gemm, g.dk, b, s, kv_head, total.data(), d.head_dim, use_bf16 ? p.scale : 1.0f);  // bf16: dS·Q unscaled
+      // bf16: dS·Q unscaled
+      StoreRow(*k.gemm, g.dk, b, s, kv_head, total.data(), d.head_dim, use_bf16 ? p.scale : 1.0f);
       sum_splits(dv_acc, ld_dv, d.value_dim);
       StoreRow(*k.gemm, g.dv, b, s, kv_head, total.data(), d.value_dim, 1.0f);
     }
