@@ -82,29 +82,31 @@ void MicroInPlace(const GemmKernels& kernels, const ConstMatrix& b, int64_t dept
 
 // A GemmEpilogue's elementwise part in double (the float64 path).
 double Epilogue(const GemmEpilogue& e, double x, int64_t col) {
-  x = e.scale * x + (e.bias != nullptr ? e.bias[col] : 0.0);
+  x = e.scale * x;
+  if (e.bias != nullptr) x += e.bias[col];  // not x + 0.0, which would turn -0.0 into +0.0
   return Activate(e.activation, x);
 }
 
 // float64 (A, B and C): exact double-precision loops, for gradcheck and oracles.
 void GemmRegionFloat64(const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c, int64_t m0,
-                       int64_t m1, int64_t n0, int64_t n1, const GemmEpilogue* epilogue) {
+                       int64_t m1, int64_t n0, int64_t n1, const GemmEpilogue& epilogue,
+                       const GemmPrologue& prologue) {
   const double* a_data = static_cast<const double*>(a.data);
   const double* b_data = static_cast<const double*>(b.data);
   double* c_data = static_cast<double*>(c.data);
   for (int64_t i = m0; i < m1; ++i) {
+    const int64_t a_row = prologue.a_row_map != nullptr ? prologue.a_row_map[i] : i;
+    const int64_t c_row = epilogue.row_map != nullptr ? epilogue.row_map[i] : i;
     for (int64_t j = n0; j < n1; ++j) {
       double sum = 0.0;
       for (int64_t p = 0; p < a.cols; ++p) {
-        sum += a_data[i * a.row_stride + p * a.col_stride] * b_data[p * b.row_stride + j * b.col_stride];
+        sum += a_data[a_row * a.row_stride + p * a.col_stride] * b_data[p * b.row_stride + j * b.col_stride];
       }
-      const int64_t c_row = epilogue != nullptr && epilogue->row_map != nullptr ? epilogue->row_map[i] : i;
-      c_data[c_row * c.row_stride + j * c.col_stride] = epilogue != nullptr ? Epilogue(*epilogue, sum, j) : sum;
+      c_data[c_row * c.row_stride + j * c.col_stride] = Epilogue(epilogue, sum, j);
     }
-    if (epilogue != nullptr && epilogue->row_max != nullptr) {
-      const int64_t c_row = epilogue->row_map != nullptr ? epilogue->row_map[i] : i;
-      float* max = epilogue->row_max + i;
-      float* row_sum = epilogue->row_sum + i;
+    if (epilogue.row_max != nullptr) {
+      float* max = epilogue.row_max + i;
+      float* row_sum = epilogue.row_sum + i;
       double block_max = -std::numeric_limits<double>::infinity();
       const double* row = c_data + c_row * c.row_stride;
       for (int64_t j = n0; j < n1; ++j) block_max = std::max(block_max, row[j * c.col_stride]);
@@ -118,13 +120,21 @@ void GemmRegionFloat64(const ConstMatrix& a, const ConstMatrix& b, const Mutable
   }
 }
 
-// A(row0 + i, k0 + p) for i < rows, p < depth as row-major bf16 [rows rounded up to 16][ld =
-// depth rounded up to 32], zero-padded: the A operand of a Bf16GemmFn.
-void PackABf16(const ConstMatrix& a, int64_t row0, int64_t rows, int64_t k0, int64_t depth, uint16_t* dst,
-               int64_t ld) {
+// A(row(row0 + i), k0 + p) for i < rows, p < depth as row-major bf16 [rows rounded up to 16][ld
+// = depth rounded up to 32], zero-padded: the A operand of a Bf16GemmFn. row(x) is row_map[x]
+// (GemmPrologue's gather), or x for a null map.
+void PackABf16(const ConstMatrix& a, int64_t row0, int64_t rows, int64_t k0, int64_t depth, const int64_t* row_map,
+               uint16_t* dst, int64_t ld) {
   std::fill(dst, dst + RoundUp(rows, kBf16TileRows) * ld, uint16_t{0});
-  const uint16_t* origin = static_cast<const uint16_t*>(a.data) + row0 * a.row_stride + k0 * a.col_stride;
-  CopyBf16(origin, a.row_stride, a.col_stride, rows, depth, /*transpose=*/false, dst, ld);
+  const uint16_t* origin = static_cast<const uint16_t*>(a.data) + k0 * a.col_stride;
+  if (row_map == nullptr) {
+    CopyBf16(origin + row0 * a.row_stride, a.row_stride, a.col_stride, rows, depth, /*transpose=*/false, dst, ld);
+    return;
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    CopyBf16(origin + row_map[row0 + i] * a.row_stride, a.row_stride, a.col_stride, 1, depth, /*transpose=*/false,
+             dst + i * ld, ld);
+  }
 }
 
 // B(k0 + p, col0 + j) for p < depth, j < cols in the VNNI panels of bf16_gemm.h, `padded_depth`
@@ -166,10 +176,10 @@ void PackBVnni(const ConstMatrix& b, int64_t k0, int64_t depth, int64_t padded_d
 
 // GemmRegion on the tier's bf16 product engine for bf16 A and B: the same loops (block_n columns, block_k deep
 // slices, block_m rows), bf16 operands instead of fp32 panels, fp32 accumulation in the tile
-// buffer, converted into C by the tier's store_c.
+// buffer, written into C by the tier's store_c.
 void GemmRegionBf16(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c,
                     int64_t m0, int64_t m1, int64_t n0, int64_t n1, const GemmBlocking& blocking,
-                    const GemmEpilogue* epilogue, ScratchLease& scratch) {
+                    const GemmEpilogue& epilogue, const GemmPrologue& prologue, ScratchLease& scratch) {
   const Bf16ProductScope scope(kernels.bf16);
   const int64_t depth_total = a.cols;
   const int64_t rows = m1 - m0;
@@ -190,16 +200,12 @@ void GemmRegionBf16(const GemmKernels& kernels, const ConstMatrix& a, const Cons
         const int64_t block_rows = std::min(block_m, m1 - ic);
         const int64_t tile_rows = RoundUp(block_rows, kBf16TileRows);
         uint16_t* a_bf16 = scratch.Get<uint16_t>(kABf16, tile_rows * padded_depth);
-        PackABf16(a, ic, block_rows, pc, depth, a_bf16, padded_depth);
+        PackABf16(a, ic, block_rows, pc, depth, prologue.a_row_map, a_bf16, padded_depth);
         kernels.bf16.gemm(tile_rows, cols_padded, padded_depth, a_bf16, padded_depth, b_vnni,
                     acc + (ic - m0) * cols_padded, cols_padded, pc > 0, 1.0f);
       }
     }
-    if (epilogue != nullptr) {
-      kernels.store_c_epilogue(acc, cols_padded, rows, cols, c, m0, jc, *epilogue);
-    } else {
-      kernels.store_c(acc, cols_padded, rows, cols, c, m0, jc);
-    }
+    kernels.store_c(acc, cols_padded, rows, cols, c, m0, jc, epilogue);
   }
 }
 
@@ -207,10 +213,10 @@ void GemmRegionBf16(const GemmKernels& kernels, const ConstMatrix& a, const Cons
 
 void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b,
                 const MutableMatrix& c, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
-                const GemmBlocking& blocking, const GemmEpilogue* epilogue) {
+                const GemmBlocking& blocking, const GemmEpilogue& epilogue, const GemmPrologue& prologue) {
   if (m1 <= m0 || n1 <= n0) return;
   if (a.dtype == DType::kFloat64) {
-    GemmRegionFloat64(a, b, c, m0, m1, n0, n1, epilogue);
+    GemmRegionFloat64(a, b, c, m0, m1, n0, n1, epilogue, prologue);
     return;
   }
   // The bf16 engine needs B packed into VNNI panels and pads the rows to whole 16-row tiles.
@@ -224,7 +230,7 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
   // Once per region: the lease's two mutex round trips are nothing beside the region's tiles.
   ScratchLease scratch;
   if (kernels.bf16 && a.dtype == DType::kBFloat16 && b.dtype == DType::kBFloat16 && !few_rows_in_place) {
-    GemmRegionBf16(kernels, a, b, c, m0, m1, n0, n1, blocking, epilogue, scratch);
+    GemmRegionBf16(kernels, a, b, c, m0, m1, n0, n1, blocking, epilogue, prologue, scratch);
     return;
   }
   const int64_t mr = kernels.mr;
@@ -263,7 +269,7 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
       for (int64_t ic = m0; ic < m1; ic += block_m) {
         const int64_t block_rows = std::min(block_m, m1 - ic);
         float* a_pack = scratch.Get<float>(kAPack, RoundUp(block_rows, mr) * depth);
-        kernels.pack_a(a, ic, block_rows, pc, depth, a_pack);
+        kernels.pack_a(a, ic, block_rows, pc, depth, prologue.a_row_map, a_pack);
         float* acc_block = acc + (ic - m0) * cols_padded;
 
         for (int64_t jr = 0; jr < cols; jr += nr) {
@@ -283,11 +289,7 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
         }
       }
     }
-    if (epilogue != nullptr) {
-      kernels.store_c_epilogue(acc, cols_padded, rows, cols, c, m0, jc, *epilogue);
-    } else {
-      kernels.store_c(acc, cols_padded, rows, cols, c, m0, jc);
-    }
+    kernels.store_c(acc, cols_padded, rows, cols, c, m0, jc, epilogue);
   }
 }
 

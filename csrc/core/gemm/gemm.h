@@ -54,12 +54,14 @@ enum class Activation {
 // What GemmRegion does to each fp32 result r[i][j] = (A·B)[i][j] on its way to C, in this order:
 //   x = scale · r + bias[j];  x = activation(x);  per-row reductions of x;  C[row(i)][j] = x in C's
 //   dtype (the down-cast), row(i) = row_map[i] (a scatter), or i without a map.
+// A default GemmEpilogue stores the products as they are: every GemmRegion result goes through
+// this one store (GemmKernels::store_c), whose steps left at their defaults cost one branch a row.
 // The reductions keep an online logsumexp per result row i over the columns GemmRegion writes:
 // with row_max[i] = -inf and row_sum[i] = 0 before the first call, after the calls that cover a
 // row's columns row_max[i] = max_j x and row_sum[i] = sum_j exp(x - row_max[i]) (the running max
 // and sum of an online softmax or a fused cross-entropy). Column blocks combine in column order,
 // so calls that split a row's columns between threads need their own arrays. The epilogue runs
-// once per block of results in the tier's store (GemmKernels::store_c_epilogue), never per tile.
+// once per block of results in the tier's store, never per tile.
 struct GemmEpilogue {
   float scale = 1.0f;
   const float* bias = nullptr;      // [C.cols], fp32; null: none
@@ -67,6 +69,15 @@ struct GemmEpilogue {
   const int64_t* row_map = nullptr;  // [A.rows] distinct rows of C; null: row i
   float* row_max = nullptr;          // [A.rows] with row_sum (both or neither); null: no reductions
   float* row_sum = nullptr;
+};
+
+// How GemmRegion reads A: result row i is row a_row_map[i] of the `a` it is given (a gather),
+// or row i without a map; A.rows is then the number of result rows, and a_row_map[i] < the rows
+// a.data holds. Rows may repeat (one token sent to several experts). The packers read the rows
+// through the map, so a gathered product costs no materialised copy of the gathered A and gives
+// the same bits as the product on that copy.
+struct GemmPrologue {
+  const int64_t* a_row_map = nullptr;  // [A.rows]; null: row i
 };
 
 struct GemmBlocking {
@@ -80,9 +91,10 @@ struct GemmBlocking {
 struct GemmKernels {
   int64_t mr;  // rows of the micro-kernel tile
   int64_t nr;  // columns of the micro-kernel tile
-  // dst[p][i] for p < depth, i < mr: A(row0 + r*mr + i, k0 + p) per mr-row panel r.
+  // dst[p][i] for p < depth, i < mr: A(row(row0 + r*mr + i), k0 + p) per mr-row panel r, with
+  // row(x) = row_map[x] (GemmPrologue's gather), or x for a null map.
   void (*pack_a)(const ConstMatrix& a, int64_t row0, int64_t rows, int64_t k0, int64_t depth,
-                 float* dst);
+                 const int64_t* row_map, float* dst);
   // dst panel q (q*depth*nr floats): B(k0 + p, col0 + q*nr + j) at [p][j].
   void (*pack_b)(const ConstMatrix& b, int64_t k0, int64_t depth, int64_t col0, int64_t cols,
                  float* dst);
@@ -95,12 +107,10 @@ struct GemmKernels {
                      float* c, int64_t ldc, bool accumulate);
   void (*micro_f16)(int64_t depth, const float* a, int64_t lda, const uint16_t* b, int64_t ldb,
                     float* c, int64_t ldc, bool accumulate);
-  // C(row0 + i, col0 + j) = acc[i * ld + j], converted to C's dtype.
-  void (*store_c)(const float* acc, int64_t ld, int64_t rows, int64_t cols, const MutableMatrix& c,
-                  int64_t row0, int64_t col0);
-  // store_c through a GemmEpilogue: acc holds results row0.. of the region, rewritten in place.
-  void (*store_c_epilogue)(float* acc, int64_t ld, int64_t rows, int64_t cols, const MutableMatrix& c,
-                           int64_t row0, int64_t col0, const GemmEpilogue& epilogue);
+  // C(row(row0 + i), col0 + j) = x in C's dtype for x = acc[i * ld + j] through `epilogue`
+  // (GemmEpilogue: a default one stores acc as it is); acc is rewritten in place.
+  void (*store_c)(float* acc, int64_t ld, int64_t rows, int64_t cols, const MutableMatrix& c, int64_t row0,
+                  int64_t col0, const GemmEpilogue& epilogue);
   // The avx512bf16 and amx tiers: bf16 x bf16 products run on the tier's bf16 product engine
   // (bf16_gemm.h) instead of the fp32 micro-kernels; the tables are otherwise the avx512 tier's.
   Bf16Products bf16;
@@ -109,15 +119,17 @@ struct GemmKernels {
 const GemmKernels& GetGemmKernels(Isa isa);
 
 // Writes C[m0:m1, n0:n1] = A[m0:m1, :] · B[:, n0:n1] (A is M x K, B is K x N, C is M x N);
-// K == 0 writes zeros. With an `epilogue`, every result goes through it (GemmEpilogue) on its
-// way to C; without one, C gets the products as they are. With a `bf16` engine and bf16 A and B
+// K == 0 writes zeros. Every result goes through `epilogue` (GemmEpilogue; the default stores
+// the products as they are) on its way to C, and A's rows are read through `prologue`'s gather
+// (GemmPrologue). With a `bf16` engine and bf16 A and B
 // (unless B would be read in place for fewer rows than one 16-row tile), A and B are copied as
 // bf16 (B in VNNI panels) and multiplied by the engine, in the same block_k slices. Runs on the
 // calling thread with thread-local scratch. float64 operands (all three) take a plain
 // double-precision loop instead of the packed fp32 path (the epilogue then in double too).
 void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b,
                 const MutableMatrix& c, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
-                const GemmBlocking& blocking, const GemmEpilogue* epilogue = nullptr);
+                const GemmBlocking& blocking, const GemmEpilogue& epilogue = {},
+                const GemmPrologue& prologue = {});
 
 // The activation of one value, in float or (the float64 path) double.
 template <typename T>

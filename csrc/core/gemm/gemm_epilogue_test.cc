@@ -55,8 +55,8 @@ TEST_P(GemmEpilogueTest, MatchesFloat64Oracle) {
   const MutableMatrix cm{c.data(), dtype, m, n, n, 1};
   const GemmBlocking blocking{12, 16, 16, true};  // several row, depth and column blocks
   const GemmKernels& kernels = GetGemmKernels(isa);
-  GemmRegion(kernels, am, bm, cm, 0, m, 0, split, blocking, &epilogue);
-  GemmRegion(kernels, am, bm, cm, 0, m, split, n, blocking, &epilogue);
+  GemmRegion(kernels, am, bm, cm, 0, m, 0, split, blocking, epilogue);
+  GemmRegion(kernels, am, bm, cm, 0, m, split, n, blocking, epilogue);
 
   std::vector<double> product(m * n);
   ReferenceGemm(am, bm, {product.data(), DType::kFloat64, m, n, n, 1});
@@ -104,7 +104,7 @@ TEST(GemmEpilogueFloat64Test, ScatterBiasAndActivationInDouble) {
   e.row_max = row_max;
   e.row_sum = row_sum;
   GemmRegion(GetGemmKernels(Isa::kScalar), {a, DType::kFloat64, m, k, k, 1}, {b, DType::kFloat64, k, n, n, 1},
-             {c, DType::kFloat64, m, n, n, 1}, 0, m, 0, n, GemmBlocking{}, &e);
+             {c, DType::kFloat64, m, n, n, 1}, 0, m, 0, n, GemmBlocking{}, e);
   for (int64_t i = 0; i < m; ++i) {
     double x[n];
     for (int64_t j = 0; j < n; ++j) {

@@ -143,7 +143,7 @@ TEST_P(GemmMicroTest, PackAMatchesElementwise) {
         const ConstMatrix a = transposed ? ConstMatrix{data, DType::kFloat32, ld, ld, 1, ld}
                                          : ConstMatrix{data, DType::kFloat32, ld, ld, ld, 1};
         std::vector<float> got(size + 16, -7.0f);
-        kernels.pack_a(a, row0, rows, k0, depth, got.data());
+        kernels.pack_a(a, row0, rows, k0, depth, nullptr, got.data());
         for (int64_t r = 0; r < panels * mr; ++r) {
           for (int64_t p = 0; p < depth; ++p) {
             const int64_t i = row0 + r, j = k0 + p;

@@ -43,7 +43,7 @@ Panels PackedMatrixTiles::Tile(int64_t i0, int64_t i2, int64_t row0, int64_t row
 void PackedMatrixTiles::PackInto(int64_t i0, int64_t i2, int64_t row0, int64_t rows, float* dst) const {
   const ConstMatrix m = MatrixOf(x_, i0, i2, row0, rows);
   if (as_a_) {
-    gemm_.pack_a(m, 0, rows, 0, x_.sizes[3], dst);
+    gemm_.pack_a(m, 0, rows, 0, x_.sizes[3], nullptr, dst);
   } else {
     gemm_.pack_b(m, 0, rows, 0, x_.sizes[3], dst);
   }

@@ -85,7 +85,7 @@ TEST_P(GemmTilesTest, InPlaceAEqualsPackedAAndTilesAsBMatchTheOracle) {
   for (int64_t i = depth * ld; i < (depth + 1) * ld; ++i) st.Set(i, 0.0f);
   const float* st_data = static_cast<const float*>(st.data());
   std::vector<float> a_panels(rows * depth);
-  gemm.pack_a({st_data, DType::kFloat32, rows, depth, 1, ld}, 0, rows, 0, depth, a_panels.data());
+  gemm.pack_a({st_data, DType::kFloat32, rows, depth, 1, ld}, 0, rows, 0, depth, nullptr, a_panels.data());
   // B: matrix (1, 2) of a [2, depth, 3, cols] view, its rows [0, depth) as one tile.
   Buffer xb(DType::kFloat32, 2 * 3 * depth * cols);
   testing::FillRandom(xb, 2 * 3 * depth * cols, 4);

@@ -160,7 +160,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
           k.bf16.gemm(key_tiles, cols, d.value_dim, bf16_ops->v_rows.At(b, kv_head, s0), bf16_ops->v_rows.ld(), do_vnni,
                       dpt, ld_st, false, 1.0f);
         } else {
-          gemm.pack_a({st, DType::kFloat32, keys, count, ld_st, 1}, 0, keys, 0, count, a_panels);
+          gemm.pack_a({st, DType::kFloat32, keys, count, ld_st, 1}, 0, keys, 0, count, nullptr, a_panels);
           TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, PackedB(do_bpanels, count, nr), ld_dv / nr,
                    dv_acc + s0 * ld_dv, ld_dv, true);
           TileGemm(gemm, d.value_dim, v_tiles.Tile(b, kv_head, s0, keys, v_panels), key_panels,
@@ -192,7 +192,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
           k.bf16.gemm(d.head_dim, cols, depth, bf16_ops->k_t.At(b, kv_head, s0), bf16_ops->k_t.ld(), tile_vnni, dq_acc,
                       cols, true, 1.0f);
         } else {
-          gemm.pack_a({dpt, DType::kFloat32, keys, count, ld_st, 1}, 0, keys, 0, count, a_panels);
+          gemm.pack_a({dpt, DType::kFloat32, keys, count, ld_st, 1}, 0, keys, 0, count, nullptr, a_panels);
           TileGemm(gemm, count, PackedA(a_panels, count, mr), key_panels, PackedB(q_bpanels, count, nr), ld_dk / nr,
                    dk_acc + s0 * ld_dk, ld_dk, true);
           TileGemm(gemm, keys, InPlaceA(dpt, ld_st, mr), row_panels, k_row_tiles.Tile(b, kv_head, s0, keys, k_rows),
@@ -200,14 +200,16 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
         }
       });
     }
-    const float* dq_rows = dq_acc;
+    float* dq_rows = dq_acc;
     int64_t ld_rows = ld_dq;
     if (bf16) {  // dQᵀ back to rows
       k.softmax->transpose_panels(dq_acc, cols, d.head_dim, count, d.head_dim, a_panels);
       dq_rows = a_panels;
       ld_rows = d.head_dim;
     }
-    for (int64_t r = 0; r < count; ++r) StoreRow(g.dq, b, rows.t(r), rows.n(r), dq_rows + r * ld_rows, d.head_dim, p.scale);
+    for (int64_t r = 0; r < count; ++r) {
+      StoreRow(gemm, g.dq, b, rows.t(r), rows.n(r), dq_rows + r * ld_rows, d.head_dim, p.scale);
+    }
   }
 }
 
@@ -304,9 +306,10 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
         }
       };
       sum_splits(dk_acc, ld_dk, d.head_dim);
-      StoreRow(g.dk, b, s, kv_head, total.data(), d.head_dim, use_bf16 ? p.scale : 1.0f);  // bf16: dS·Q unscaled
+      // bf16: dS·Q unscaled
+      StoreRow(*k.gemm, g.dk, b, s, kv_head, total.data(), d.head_dim, use_bf16 ? p.scale : 1.0f);
       sum_splits(dv_acc, ld_dv, d.value_dim);
-      StoreRow(g.dv, b, s, kv_head, total.data(), d.value_dim, 1.0f);
+      StoreRow(*k.gemm, g.dv, b, s, kv_head, total.data(), d.value_dim, 1.0f);
     }
   });
   return Status::Ok();

@@ -60,10 +60,11 @@ inline Dims DimsOf(const DotProductAttentionParams& p) {
   return d;
 }
 
-// view[i0, i1, i2, e] = scale * values[e] for e < count, converted to the view's dtype (one
-// dtype dispatch per row, not per element).
-void StoreRow(const MutableStridedView<4>& view, int64_t i0, int64_t i1, int64_t i2, const float* values,
-              int64_t count, float scale);
+// view[i0, i1, i2, e] = scale * values[e] for e < count, converted to the view's dtype: the
+// GEMM's one store (GemmKernels::store_c with a GemmEpilogue's scale), vectorized in the tier's
+// file. values is rewritten (scaled in place).
+void StoreRow(const GemmKernels& gemm, const MutableStridedView<4>& view, int64_t i0, int64_t i1, int64_t i2,
+              float* values, int64_t count, float scale);
 
 // The rows of a task: (position t, query head n) for t in [t0, t0 + positions), n in the group.
 struct TaskRows {

@@ -26,15 +26,12 @@ Status BeginCall(const DotProductAttentionParams& p, const DotProductAttentionCo
   return Status::Ok();
 }
 
-void StoreRow(const MutableStridedView<4>& view, int64_t i0, int64_t i1, int64_t i2, const float* values,
-              int64_t count, float scale) {
-  DispatchDType(view.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    T* dst = static_cast<T*>(view.data) + i0 * view.strides[0] + i1 * view.strides[1] + i2 * view.strides[2];
-    const int64_t step = view.strides[3];
-    for (int64_t e = 0; e < count; ++e) StoreFromFloat(dst + e * step, scale * values[e]);
-    return 0;
-  });
+void StoreRow(const GemmKernels& gemm, const MutableStridedView<4>& view, int64_t i0, int64_t i1, int64_t i2,
+              float* values, int64_t count, float scale) {
+  GemmEpilogue epilogue;
+  epilogue.scale = scale;
+  const MutableMatrix row{view.At(i0, i1, i2, 0), view.dtype, 1, count, 0, view.strides[3]};
+  gemm.store_c(values, count, 1, count, row, 0, 0, epilogue);
 }
 
 float* InPlaceTileScratch(TaskScratch& s, TaskScratchSlot slot, int64_t rows, int64_t ld) {
