@@ -12,6 +12,8 @@
 
 #include "csrc/core/base/dtype.h"
 #include "csrc/core/runtime/isa.h"
+#include "csrc/core/runtime/large_buffer.h"
+#include "csrc/core/runtime/scratch_arena.h"
 #include "csrc/core/runtime/parallel.h"
 
 namespace tokamax::testing {
@@ -84,6 +86,25 @@ class ScopedIsa {
  public:
   explicit ScopedIsa(Isa isa) { setenv("TOKAMAX_CPU_ISA", IsaName(isa), 1); }
   ~ScopedIsa() { unsetenv("TOKAMAX_CPU_ISA"); }
+};
+
+// Every cached byte of working memory (scratch arenas, the large-buffer cache) released and
+// the shared limit set to 256 MiB for the scope; the caller's limit restored at its end.
+class ScopedWorkingMemory {
+ public:
+  ScopedWorkingMemory() : saved_limit_(LargeBufferCacheLimit()) {
+    SetLargeBufferCacheLimit(size_t{256} << 20);
+    ReleaseCachedWorkingMemory();
+  }
+  ~ScopedWorkingMemory() {
+    ReleaseCachedWorkingMemory();
+    SetLargeBufferCacheLimit(saved_limit_);
+  }
+  ScopedWorkingMemory(const ScopedWorkingMemory&) = delete;
+  ScopedWorkingMemory& operator=(const ScopedWorkingMemory&) = delete;
+
+ private:
+  size_t saved_limit_;
 };
 
 }  // namespace tokamax::testing

@@ -4,6 +4,8 @@
 #include "csrc/core/runtime/large_buffer.h"
 #include "csrc/core/runtime/scratch_arena.h"
 
+#include "csrc/core/base/test_util.h"
+
 #include <gtest/gtest.h>
 
 #include <cstddef>
@@ -45,20 +47,11 @@ TEST(LargeBufferTest, MoveTransfersOwnership) {
   EXPECT_EQ(LargeBuffer<float>().data(), nullptr);
 }
 
-// Restores the cache's limit and empties it around a test.
+// Restores the cache's limit and empties it (and the scratch arenas of earlier tests, which
+// would shrink the cache's share) around a test.
 class LargeBufferCacheTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    saved_limit_ = LargeBufferCacheLimit();
-    SetLargeBufferCacheLimit(size_t{256} << 20);
-    // Scratch arenas of earlier tests in this process would shrink the cache's share.
-    ReleaseCachedWorkingMemory();
-  }
-  void TearDown() override {
-    ReleaseLargeBufferCache();
-    SetLargeBufferCacheLimit(saved_limit_);
-  }
-  size_t saved_limit_ = 0;
+  testing::ScopedWorkingMemory working_memory_;
 };
 
 constexpr int64_t kMappedFloats = int64_t{5} << 20;  // 20 MiB: past the map threshold

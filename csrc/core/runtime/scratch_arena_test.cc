@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "csrc/core/base/test_util.h"
 #include "csrc/core/runtime/large_buffer.h"
 
 namespace tokamax {
@@ -19,16 +20,7 @@ namespace {
 // Empties everything cached and restores the limit around a test.
 class ScratchArenaTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    saved_limit_ = LargeBufferCacheLimit();
-    SetLargeBufferCacheLimit(size_t{256} << 20);
-    ReleaseCachedWorkingMemory();
-  }
-  void TearDown() override {
-    ReleaseCachedWorkingMemory();
-    SetLargeBufferCacheLimit(saved_limit_);
-  }
-  size_t saved_limit_ = 0;
+  testing::ScopedWorkingMemory working_memory_;
 };
 
 TEST_F(ScratchArenaTest, KeptBetweenLeasesGrownLikeAVector) {
