@@ -59,7 +59,8 @@ std::tuple<Tensor, Tensor> RouterTopKReference(const Tensor& scores, c10::SymInt
   // A row whose best key is the floor has no good score: NaN weights (its ids are 0..k-1).
   const Tensor no_good = weights.slice(1, 0, 1) <= kRouterTopKFloor;
   weights = at::where(no_good, at::scalar_tensor(std::numeric_limits<float>::quiet_NaN(), wide.options()), weights);
-  return {weights, order.slice_symint(1, 0, k).to(at::kInt)};
+  // Contiguous, as the kernel's and the Meta kernel's outputs (the slices are strided).
+  return {weights.contiguous(), order.slice_symint(1, 0, k).to(at::kInt).contiguous()};
 }
 
 }  // namespace

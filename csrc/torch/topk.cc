@@ -83,8 +83,9 @@ std::tuple<Tensor, Tensor> TopKReference(const Tensor& scores, c10::SymInt k, co
   const Tensor values = sorted.slice_symint(1, 0, k);
   const Tensor indices =
       at::where(values == minus_inf, at::scalar_tensor(-1, order.options()), order.slice_symint(1, 0, k)).to(at::kInt);
-  if (!return_scores) return {indices, at::empty_symint(ValuesShape(scores, k, false), scores.options())};
-  return {indices, values.to(scores.scalar_type())};
+  // Contiguous, as the kernel's and the Meta kernel's outputs (the slices are strided).
+  if (!return_scores) return {indices.contiguous(), at::empty_symint(ValuesShape(scores, k, false), scores.options())};
+  return {indices.contiguous(), values.to(scores.scalar_type()).contiguous()};
 }
 
 }  // namespace
