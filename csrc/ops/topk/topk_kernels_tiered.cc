@@ -11,6 +11,9 @@ namespace tokamax {
 namespace TOKAMAX_TIER_NAMESPACE {
 namespace {
 
+// Up to this k an insertion shifts in one loop; above it, binary search and memmove.
+constexpr int64_t kLinearInsertMax = 32;
+
 // The selection so far: vals/idx[0..count) descending, ties in column order.
 struct Selection {
   float* vals;
@@ -25,18 +28,27 @@ struct Selection {
 
   void Offer(float v, int64_t col) {
     if (!(v > Threshold())) return;  // NaN never enters
-    int64_t lo = 0, hi = count;      // the first slot holding a value < v
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (vals[mid] < v) {
-        hi = mid;
-      } else {
-        lo = mid + 1;
-      }
-    }
     const int64_t last = count < k ? count++ : k - 1;  // the slot that falls off (or the new one)
-    std::memmove(vals + lo + 1, vals + lo, (last - lo) * sizeof(float));
-    std::memmove(idx + lo + 1, idx + lo, (last - lo) * sizeof(int32_t));
+    int64_t lo = last;
+    if (k <= kLinearInsertMax) {
+      // Short selections (routers: k = 8): shifting in one loop beats a search and two memmoves.
+      for (; lo > 0 && vals[lo - 1] < v; --lo) {
+        vals[lo] = vals[lo - 1];
+        idx[lo] = idx[lo - 1];
+      }
+    } else {
+      lo = 0;  // the first slot holding a value < v
+      for (int64_t hi = last; lo < hi;) {
+        const int64_t mid = (lo + hi) / 2;
+        if (vals[mid] < v) {
+          hi = mid;
+        } else {
+          lo = mid + 1;
+        }
+      }
+      std::memmove(vals + lo + 1, vals + lo, (last - lo) * sizeof(float));
+      std::memmove(idx + lo + 1, idx + lo, (last - lo) * sizeof(int32_t));
+    }
     vals[lo] = v;
     idx[lo] = static_cast<int32_t>(col);
   }
