@@ -120,7 +120,8 @@ def first_output(out) -> torch.Tensor:
 
 
 def outputs(out) -> list[torch.Tensor]:
-    return list(out) if isinstance(out, (tuple, list)) else [out]
+    """The tensors an op returned; an optional output left out (None, as topk's values) is skipped."""
+    return [x for x in out if x is not None] if isinstance(out, (tuple, list)) else [out]
 
 
 def forward_backward(fn, call: Call) -> list[torch.Tensor]:

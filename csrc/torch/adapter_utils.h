@@ -3,6 +3,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <sys/mman.h>
 
@@ -74,6 +76,15 @@ inline void AdviseHugePages(const at::Tensor& out) {
   const uintptr_t end = (start + bytes) & ~(kHugePage - 1);
   if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // advisory only
 #endif
+}
+
+// The Autograd kernel of an op without a gradient (upstream defines none), boxed so one function
+// serves every such op: it runs the op below autograd, so its outputs never require grad, the
+// kernel's and the reference's alike (a CompositeExplicitAutograd reference would otherwise
+// record its ATen ops). Register with torch::CppFunction::makeFromBoxedFunction<&RunBelowAutograd>().
+inline void RunBelowAutograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
 }
 
 }  // namespace tokamax

@@ -11,6 +11,7 @@
 //   Add, Sub, Mul, Min, Max, Fma(a, b, c) = a·b + c, FmaBroadcast(const float* a, b, c) = *a·b + c
 //   Exp (flushes below kExpFlushBelow to exactly 0; the same polynomial on every SIMD tier)
 //   InRange(x, r, lo, hi): x where lo <= r < hi lane by lane, -inf elsewhere
+//   GreaterMask(a, b): bit l set where a[l] > b[l] (ordered: never for a NaN lane)
 //   ReduceAdd/ReduceMax(v) (one fixed order), SumLanes(v) (lane i = the sum of v[i]'s lanes,
 //     for kLanes vectors)
 //   LoadWiden(p) (kLanes float, BFloat16Bits, Float16Bits or double elements as fp32 lanes),

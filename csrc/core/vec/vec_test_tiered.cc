@@ -187,6 +187,14 @@ TEST(TOKAMAX_VEC_SUITE, ArithmeticRangeMaskAndTransposes) {
   // InRange(x, r, lo, hi): lanes with lo <= r < hi keep x.
   check(InRange(va, Set1(1.0f), vb, Set1(2.5f)),
         [](float x, float y) { return y <= 1.0f && 1.0f < 2.5f ? x : -kInf; }, "InRange");
+  // GreaterMask: one bit per lane where a > b; a NaN lane never sets its bit.
+  float with_nan[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) with_nan[l] = l % 3 == 2 ? std::nanf("") : a[l];
+  const uint32_t mask = GreaterMask(Load(with_nan), vb);
+  for (int64_t l = 0; l < kLanes; ++l) {
+    EXPECT_EQ((mask >> l) & 1u, with_nan[l] > b[l] ? 1u : 0u) << "GreaterMask lane " << l;
+  }
+  EXPECT_EQ(mask >> kLanes, 0u) << "GreaterMask sets no bit past the lanes";
   float src[8 * 8], dst[8 * 8];
   for (int i = 0; i < 64; ++i) src[i] = static_cast<float>(i);
   Transpose8x8(src, 8, dst, 8);
