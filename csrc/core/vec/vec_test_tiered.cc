@@ -172,7 +172,12 @@ TEST(TOKAMAX_VEC_SUITE, ArithmeticRangeMaskAndTransposes) {
     b[l] = 2.0f - 0.25f * l;
   }
   const Vec va = Load(a), vb = Load(b);
-  const float c = 0.5f;
+  // FmaBroadcast's operand lives on the heap, as the GEMM panels it reads do: GCC 12's
+  // AddressSanitizer with detect_stack_use_after_return miscompiles a function whose inline asm
+  // takes a stack variable as a memory operand (the frame base it loads earlier arrays from is
+  // wrong; a 20-line program reproduces it).
+  const std::vector<float> broadcast(1, 0.5f);
+  const float c = broadcast[0];
   auto check = [&](Vec got, auto want, const char* what) {
     Store(out, got);
     for (int64_t l = 0; l < kLanes; ++l) EXPECT_EQ(out[l], want(a[l], b[l])) << what << " lane " << l;
@@ -183,7 +188,7 @@ TEST(TOKAMAX_VEC_SUITE, ArithmeticRangeMaskAndTransposes) {
   check(Min(va, vb), [](float x, float y) { return std::min(x, y); }, "Min");
   check(Max(va, vb), [](float x, float y) { return std::max(x, y); }, "Max");
   check(Fma(va, vb, Set1(c)), [&](float x, float y) { return std::fma(x, y, c); }, "Fma");
-  check(FmaBroadcast(&c, va, vb), [&](float x, float y) { return std::fma(c, x, y); }, "FmaBroadcast");
+  check(FmaBroadcast(broadcast.data(), va, vb), [&](float x, float y) { return std::fma(c, x, y); }, "FmaBroadcast");
   // InRange(x, r, lo, hi): lanes with lo <= r < hi keep x.
   check(InRange(va, Set1(1.0f), vb, Set1(2.5f)),
         [](float x, float y) { return y <= 1.0f && 1.0f < 2.5f ? x : -kInf; }, "InRange");
