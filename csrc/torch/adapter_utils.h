@@ -84,10 +84,12 @@ inline void AdviseHugePages(const at::Tensor& out) {
 // ---- donated buffers: the one check every op that writes an input in place makes ---------------
 //
 // A donated input is written in place and returned (docs/design.md, "Buffer donation"). Before
-// any write, on real tensors (Meta kernels cannot see addresses; the CPU kernel runs this at run
-// time under torch.compile too): the donated tensor must not overlap itself (a stride-0 or
-// overlapping view would make the result depend on the write order), and no other argument may
-// share memory with it (the kernel would read what it has already overwritten).
+// any write: the donated tensor must not overlap itself (a stride-0 or overlapping view would
+// make the result depend on the write order; checked in Meta kernels too where strides are
+// concrete, so torch.compile raises this message rather than Inductor's), and no other argument
+// may share memory with it (the kernel would read what it has already overwritten; real tensors
+// only: Meta kernels cannot see addresses, and the CPU kernel runs this check at run time under
+// torch.compile too).
 
 // The byte range [first, last) a tensor's elements span in its storage.
 inline std::pair<int64_t, int64_t> StorageByteRange(const at::Tensor& t) {
@@ -115,10 +117,12 @@ inline bool CertainlyNonOverlapping(const at::Tensor& t) {
 
 inline void CheckDonatedBuffer(const char* op, const char* donated_name, const at::Tensor& donated,
                                std::initializer_list<std::pair<const char*, const at::Tensor*>> others) {
-  if (donated.is_meta() || donated.numel() == 0) return;
+  if (donated.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return;
+  if (donated.numel() == 0) return;
   TORCH_CHECK(CertainlyNonOverlapping(donated), op, ": ", donated_name,
               " is written in place and must not overlap itself, got shape ", donated.sizes(), " with strides ",
               donated.strides());
+  if (donated.is_meta()) return;
   const auto range = StorageByteRange(donated);
   for (const auto& [name, other] : others) {
     if (other->is_meta() || other->numel() == 0 || !other->has_storage()) continue;

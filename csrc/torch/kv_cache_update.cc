@@ -37,7 +37,7 @@ void CheckKvCacheUpdateArgs(const Tensor& kv_cache, const Tensor& keys, const Te
   }
   TORCH_SYM_CHECK(values.sym_size(0).sym_eq(keys.sym_size(0)).sym_and(values.sym_size(1).sym_eq(keys.sym_size(1)))
                       .sym_and(values.sym_size(2).sym_eq(keys.sym_size(2))),
-                  kOp, ": values must have keys' shape ", ShapeString(keys), ", got ", ShapeString(values));
+                  kOp, ": values must have keys' shape ", ShapeString(keys), ", got shape ", ShapeString(values));
   TORCH_SYM_CHECK(slot_mapping.sym_size(0).sym_eq(keys.sym_size(0)), kOp,
                   ": slot_mapping must have one slot per token, [T] = [", keys.sym_size(0), "], got shape ",
                   ShapeString(slot_mapping));
@@ -96,6 +96,7 @@ void KvCacheUpdateReference(const Tensor& kv_cache, const Tensor& keys, const Te
 
 void KvCacheUpdateMeta(const Tensor& kv_cache, const Tensor& keys, const Tensor& values, const Tensor& slot_mapping) {
   CheckKvCacheUpdateArgs(kv_cache, keys, values, slot_mapping);
+  CheckDonatedBuffer(kOp, "kv_cache", kv_cache, {});
 }
 
 }  // namespace
