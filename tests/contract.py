@@ -12,7 +12,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from typing import Any, Callable, Sequence
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -90,6 +95,10 @@ class OpContract:
     #: rtol = atol between two runs of the same math in fp32 (compiled against eager, kernel
     #: against reference); the op file's oracle tests hold the real tolerances.
     tolerance: float = 1e-4
+    #: For an op that donates inputs (``Op.donated_args``): donation_call(nbytes) makes a call
+    #: whose donated buffers hold about `nbytes` bytes, every page touched, for the peak-memory
+    #: proof (run in a fresh process). Required when the op donates.
+    donation_call: Optional[Callable[[int], Call]] = None
 
     @property
     def implementations(self):
@@ -206,3 +215,95 @@ def assert_ran_configs(records, kernel, products: set[str], want: dict, given: b
         expected = tuple(want[r.product].to_list())
         assert r.config == expected, f"{r.product} ran {r.config}, expected {expected}"
         assert r.given == given, f"{r.product}: given={r.given}, expected {given}"
+
+
+# ---- buffer donation (docs/design.md, "Buffer donation") -----------------------------------------
+
+def donated(impl, call: Call) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) of each argument `impl` donates in `call`, in declaration order."""
+    args, kwargs = call
+    bound = impl.bind(*args, **kwargs)
+    return [(name, bound[name]) for name in impl.donated_args]
+
+
+def fresh_copy(call: Call) -> Call:
+    """A deep copy of a call: same values, strides and sharing between arguments, new storage."""
+    return copy.deepcopy(call)
+
+
+def all_tensors(call: Call) -> list[torch.Tensor]:
+    args, kwargs = call
+    return [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+
+
+def copies_in_code(codes: Sequence[str], buffers: Sequence[torch.Tensor]) -> list[str]:
+    """The lines of Inductor output code that copy or clone, or allocate a buffer of a donated
+    buffer's size (static shapes): what functionalization leaves when it fails to reinplace."""
+    sizes = {tuple(b.shape) for b in buffers} | {(b.numel(),) for b in buffers}
+    found = []
+    for code in codes:
+        for line in code.splitlines():
+            text = line.strip()
+            if text.startswith("#") or "rand_strided(" in text:  # comments; the benchmark harness's inputs
+                continue
+            if re.search(r"\bcopy_\b|\bclone\b|aten\.copy|copy_misaligned_inputs", text):
+                found.append(text)
+            for match in re.finditer(r"empty_strided\w*\(\(([^)]*)\)", text):
+                shape = tuple(int(v) for v in match.group(1).replace(" ", "").split(",") if v.isdigit())
+                if shape in sizes:
+                    found.append(text)
+    return found
+
+
+_RSS_SCRIPT = r"""
+import importlib, json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+contract = importlib.import_module("test_" + sys.argv[2]).CONTRACT
+mode, nbytes = sys.argv[3], int(sys.argv[4])
+kernel = contract.kernel
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+def reset_peak():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+fn = kernel if mode == "eager" else torch.compile(lambda *a, **k: kernel(*a, **k), fullgraph=True, dynamic=True)
+args, kwargs = contract.donation_call(1 << 20)
+fn(*args, **kwargs)  # imports, compilation: before the measured call
+args, kwargs = contract.donation_call(nbytes)
+# Where the peak can be reset, a first call at this size takes any recompilation and the
+# measured call is the second; otherwise the first is measured against the peak so far.
+reset = reset_peak()
+if reset:
+    fn(*args, **kwargs)
+    reset_peak()
+before = status("VmRSS") if reset else status("VmHWM")
+out = fn(*args, **kwargs)
+after = status("VmHWM")
+bound = kernel.bind(*args, **kwargs)
+outs = out if isinstance(out, tuple) else (out,)
+same = all(o.data_ptr() == bound[n].data_ptr() for o, n in zip(outs, kernel.donated_args))
+donated_bytes = sum(bound[n].nbytes for n in kernel.donated_args)
+print(json.dumps({"growth": after - before, "donated_bytes": donated_bytes, "reset": reset, "same_storage": same}))
+"""
+
+
+def donation_peak_rss(family: str, mode: str, nbytes: int) -> dict:
+    """Runs one call of `family`'s kernel (eager or compiled) whose donated buffers hold `nbytes`,
+    in a fresh process, after a warm-up call and a first call at that size, and returns
+    {"growth": peak RSS growth of the measured call in bytes, "donated_bytes", "same_storage"}."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, tests, family, mode, str(nbytes)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

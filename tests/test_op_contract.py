@@ -9,9 +9,10 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import tokamax_torch
 from tokamax_torch import _registry
 from tokamax_torch._op import record_configs
-from contract import (THREAD_COUNTS, assert_all_close, assert_all_equal, assert_ran_configs, configs_as_lists,
-                      first_output, forward_backward, is_low_precision, leaves, ran_products, schema_args, threads,
-                      with_configs)
+from torch._inductor.utils import run_and_get_code
+from contract import (THREAD_COUNTS, all_tensors, assert_all_close, assert_all_equal, assert_ran_configs,
+                      configs_as_lists, copies_in_code, donated, donation_peak_rss, first_output, forward_backward,
+                      fresh_copy, is_low_precision, leaves, outputs, ran_products, schema_args, threads, with_configs)
 
 # Every registered op family owes the contract: its test file, tests/test_<family>.py, declares
 # its CONTRACT. A family without one fails here, so adding an op edits no list.
@@ -222,8 +223,22 @@ def test_invalid_configs_rejected(contract, impl, message, configs):
 
 @pytest.mark.parametrize("contract,impl,bad", _bad_inputs())
 def test_bad_input_raises_before_compute(contract, impl, bad):
+    # A donated buffer is not written by a call that fails (no partial update).
+    before = [(name, x.clone()) for name, x in _donated_if_bindable(impl, (bad.args, bad.kwargs))]
     with pytest.raises(RuntimeError, match=bad.message):
         impl(*bad.args, **bad.kwargs)
+    for (name, old), (_, now) in zip(before, _donated_if_bindable(impl, (bad.args, bad.kwargs))):
+        assert _same_bits(old, now), f"{name} was written by a call that failed"
+
+
+def _same_bits(a, b):
+    return a.shape == b.shape and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+def _donated_if_bindable(impl, call):
+    if not impl.donated_args:
+        return []
+    return [(name, x) for name, x in donated(impl, call) if isinstance(x, torch.Tensor)]
 
 
 @pytest.mark.parametrize("contract,impl,bad", _bad_inputs())
@@ -247,3 +262,80 @@ def test_kernel_bitwise_deterministic_across_runs_and_threads(contract, sample, 
         want = forward_backward(contract.kernel, call)
     assert_all_equal(first, want, f"{num_threads} threads against 1")
     assert_all_equal(again, first, "a second run")
+
+
+# ---- buffer donation: for every op that declares donated_args -------------------------------------
+
+DONATING = [c for c in CONTRACTS if c.kernel.donated_args]
+RSS_BYTES = 2 << 30  # the donated buffer of the peak-memory proof
+RSS_FRACTION = 0.05  # the most a call may grow peak RSS by, as a fraction of the donated bytes
+
+
+def _donating_samples(compiled=False):
+    return [p for p in _impl_samples(compiled=compiled, contracts=DONATING)]
+
+
+@pytest.mark.parametrize("contract,impl,sample", _donating_samples())
+def test_donated_result_is_the_input(contract, impl, sample):
+    call = sample.make()
+    out = outputs(impl(*call[0], **call[1]))
+    for (name, x), o in zip(donated(impl, call), out):
+        assert o is x or (o.data_ptr() == x.data_ptr() and o.untyped_storage().data_ptr()
+                          == x.untyped_storage().data_ptr()), f"{name}: the result is not the donated buffer"
+
+
+def _compiled_against_eager(impl, call, compiled_fn):
+    """Runs `impl` eager and `compiled_fn` on deep copies of `call`; every output and every
+    argument afterwards (the donated buffers' state included) equal bit for bit, and the
+    compiled results are the compiled call's own donated buffers."""
+    eager_call, compiled_call = fresh_copy(call), fresh_copy(call)
+    eager = outputs(impl(*eager_call[0], **eager_call[1]))
+    got = outputs(compiled_fn(*compiled_call[0], **compiled_call[1]))
+    assert_all_equal(got, eager, "compiled against eager")
+    assert_all_equal(all_tensors(compiled_call), all_tensors(eager_call), "arguments after the call")
+    for (name, x), o in zip(donated(impl, compiled_call), got):
+        assert o.data_ptr() == x.data_ptr(), f"{name}: the compiled result is not the donated buffer"
+    return compiled_call
+
+
+@pytest.mark.parametrize("contract,impl,sample", _donating_samples(compiled=True))
+def test_donation_compiled_matches_eager_bitwise_without_copies(contract, impl, sample):
+    call = sample.make()
+    compiled = torch.compile(lambda *a, **k: impl(*a, **k), fullgraph=True)
+    codes = []
+
+    def run(*args, **kwargs):  # once: a donating op's second run would see its first run's writes
+        out, code = run_and_get_code(compiled, *args, **kwargs)
+        codes.extend(code)
+        return out
+
+    _compiled_against_eager(impl, call, run)
+    buffers = [x for _, x in donated(impl, call)]
+    assert codes and not copies_in_code(codes, buffers), copies_in_code(codes, buffers)
+
+
+@pytest.mark.parametrize("contract,impl,dynamic", _impl_dynamic(compiled=True, contracts=DONATING))
+def test_donation_dynamic_matches_eager_bitwise_without_copies(contract, impl, dynamic):
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(lambda *a, **k: impl(*a, **k), backend=counter, fullgraph=True, dynamic=True)
+    for sizes in dynamic.sizes:
+        call = dynamic.make(**sizes)
+        _compiled_against_eager(impl, call, compiled)
+    assert counter.frame_count == 1, "one graph for every size"
+    torch._dynamo.reset()
+    call = dynamic.make(**dynamic.sizes[0])
+    _, codes = run_and_get_code(torch.compile(lambda *a, **k: impl(*a, **k), fullgraph=True, dynamic=True),
+                                *fresh_copy(call)[0], **call[1])
+    assert codes and not copies_in_code(codes, []), copies_in_code(codes, [])
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("contract", DONATING, ids=lambda c: c.name)
+def test_donation_peak_rss(contract, mode):
+    assert contract.donation_call is not None, f"{contract.name} donates: its CONTRACT needs a donation_call"
+    result = donation_peak_rss(contract.name, mode, RSS_BYTES)
+    print(f"{contract.name} {mode}: peak RSS +{result['growth'] / 2**20:.1f} MiB for a "
+          f"{result['donated_bytes'] / 2**30:.2f} GiB donated buffer (peak reset: {result['reset']})")
+    assert result["same_storage"], "the result is not the donated buffer"
+    assert result["donated_bytes"] >= RSS_BYTES * 0.9, result
+    assert result["growth"] < RSS_FRACTION * result["donated_bytes"], result

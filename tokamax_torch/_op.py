@@ -191,6 +191,11 @@ class Op:
     config_cls: Optional[type] = None
     backward_config_cls: Optional[type] = None
     summary: str = ""
+    #: The parameters of ``__call__`` whose buffers the op donates: written in place and returned
+    #: (same storage), never copied (docs/design.md, "Buffer donation"). They must be exactly the
+    #: arguments the op's schema marks mutable (``Tensor(a!)``); ``__call__`` returns them through
+    #: ``_call_donating``.
+    donated_args: tuple[str, ...] = ()
     #: The ``--shape`` format on the autotuning command line, e.g. ``"M,K,N,G"``; None keeps
     #: the op off the command line.
     cli_shape: Optional[str] = None
@@ -206,6 +211,7 @@ class Op:
         self.name = name
         self._op = op
         self._signature = inspect.signature(self.__call__)
+        self._donated_positions = self._check_donated_args(op)
         _registry.register(self)
 
     # ---- the call -------------------------------------------------------------------------
@@ -247,6 +253,33 @@ class Op:
         if not isinstance(configs, (tuple, list)) or len(configs) != 2:
             raise TypeError(f"{self.family}: configs must be a (fwd, bwd) pair or None, got {configs!r}")
         return configs[0], configs[1]
+
+    def _check_donated_args(self, op) -> tuple[int, ...]:
+        """The schema positions of ``donated_args``; TypeError unless they are exactly the schema's
+        mutable arguments (a mutable argument not declared donated would be written silently; a
+        donated one not mutable would be copied by functionalization)."""
+        schema = getattr(op, "_schema", None)
+        if schema is None:
+            if self.donated_args:
+                raise TypeError(f"{type(self).__name__}: donated_args need an op with a schema, got {op!r}")
+            return ()
+        names = [a.name for a in schema.arguments]
+        mutable = tuple(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write)
+        if tuple(self.donated_args) != mutable:
+            raise TypeError(f"{type(self).__name__}: donated_args must be the schema's mutable arguments {mutable} "
+                            f"in order, got {tuple(self.donated_args)}")
+        missing = [a for a in self.donated_args if a not in self._signature.parameters]
+        if missing:
+            raise TypeError(f"{type(self).__name__}: donated_args {missing} are not parameters of __call__")
+        return tuple(names.index(a) for a in self.donated_args)
+
+    def _call_donating(self, *schema_args):
+        """Calls the op (which returns nothing and writes its donated arguments in place) and
+        returns the donated arguments themselves: one tensor, or a tuple of several. Under
+        torch.compile the mutation is functionalized and reinplaced: no copy (design.md)."""
+        self._op(*schema_args)
+        donated = tuple(schema_args[i] for i in self._donated_positions)
+        return donated[0] if len(donated) == 1 else donated
 
     # ---- binding --------------------------------------------------------------------------
 

@@ -8,9 +8,14 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
+#include <initializer_list>
+#include <numeric>
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "csrc/core/base/dtype.h"
 #include "csrc/core/base/strided_view.h"
@@ -85,6 +90,58 @@ inline void AdviseHugePages(const at::Tensor& out) {
 inline void RunBelowAutograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   at::AutoDispatchBelowADInplaceOrView guard;
   op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+}
+
+// ---- donated buffers: the one check every op that writes an input in place makes ---------------
+//
+// A donated input is written in place and returned (docs/design.md, "Buffer donation"). Before
+// any write: the donated tensor must not overlap itself (a stride-0 or overlapping view would
+// make the result depend on the write order; checked in Meta kernels too where strides are
+// concrete, so torch.compile raises this message rather than Inductor's), and no other argument
+// may share memory with it (the kernel would read what it has already overwritten; real tensors
+// only: Meta kernels cannot see addresses, and the CPU kernel runs this check at run time under
+// torch.compile too).
+
+// The byte range [first, last) a tensor's elements span in its storage.
+inline std::pair<int64_t, int64_t> StorageByteRange(const at::Tensor& t) {
+  int64_t last = t.storage_offset();
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return {t.storage_offset() * t.element_size(), (last + 1) * t.element_size()};
+}
+
+// Sufficient for no self-overlap: with dims sorted by stride, each stride covers the extent of
+// the ones below it (the test of dense and of padded layouts alike).
+inline bool CertainlyNonOverlapping(const at::Tensor& t) {
+  if (t.numel() <= 1) return true;
+  std::vector<int64_t> dims;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.push_back(d);
+  }
+  std::sort(dims.begin(), dims.end(), [&](int64_t a, int64_t b) { return t.stride(a) < t.stride(b); });
+  int64_t extent = 1;  // elements spanned by the dims placed so far
+  for (int64_t d : dims) {
+    if (t.stride(d) < extent) return false;
+    extent = t.stride(d) * (t.size(d) - 1) + extent;
+  }
+  return true;
+}
+
+inline void CheckDonatedBuffer(const char* op, const char* donated_name, const at::Tensor& donated,
+                               std::initializer_list<std::pair<const char*, const at::Tensor*>> others) {
+  if (donated.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return;
+  if (donated.numel() == 0) return;
+  TORCH_CHECK(CertainlyNonOverlapping(donated), op, ": ", donated_name,
+              " is written in place and must not overlap itself, got shape ", donated.sizes(), " with strides ",
+              donated.strides());
+  if (donated.is_meta()) return;
+  const auto range = StorageByteRange(donated);
+  for (const auto& [name, other] : others) {
+    if (other->is_meta() || other->numel() == 0 || !other->has_storage()) continue;
+    if (!other->storage().is_alias_of(donated.storage())) continue;
+    const auto other_range = StorageByteRange(*other);
+    TORCH_CHECK(other_range.second <= range.first || range.second <= other_range.first, op, ": ", name,
+                " must not share memory with ", donated_name, ", which the op writes in place (donated)");
+  }
 }
 
 }  // namespace tokamax
