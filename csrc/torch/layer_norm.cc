@@ -290,6 +290,7 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
       std::tie(y, h, mean, rstd) =
           op.call(x, scale, offset, residual, axis, epsilon, scale_offset, subtract_mean, config, bwd_config);
     }
+    ctx->set_materialize_grads(false);  // the backward handles an unused y or h itself
     ctx->saved_data["scale_offset"] = scale_offset ? c10::IValue(*scale_offset) : c10::IValue();
     ctx->saved_data["subtract_mean"] = subtract_mean;
     ctx->saved_data["has_residual"] = residual.has_value();
@@ -310,10 +311,12 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     // Only h may be used downstream: y's cotangent is then zero.
     const Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(xh);
     const std::optional<Tensor> dh = has_residual ? Optional(grads[1]) : std::nullopt;
-    const bool scale_grad = scale.has_value() && ctx->needs_input_grad(1);
-    const bool offset_grad = offset.has_value() && ctx->needs_input_grad(2);
-    const bool x_grad = ctx->needs_input_grad(0);
-    const bool residual_needed = has_residual && ctx->needs_input_grad(3);
+    // needs_input_grad counts the tensor inputs present: x, then scale, offset, residual if given.
+    int64_t input = 0;
+    const bool x_grad = ctx->needs_input_grad(input++);
+    const bool scale_grad = scale.has_value() && ctx->needs_input_grad(input++);
+    const bool offset_grad = offset.has_value() && ctx->needs_input_grad(input++);
+    const bool residual_needed = has_residual && ctx->needs_input_grad(input++);
     // dresidual equals dx: a second copy (written in the same pass) only when both are wanted.
     const bool residual_copy = residual_needed && x_grad;
     const std::vector<int64_t> config = ctx->saved_data["bwd_config"].toIntVector();  // empty: heuristic
