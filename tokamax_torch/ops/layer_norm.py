@@ -38,6 +38,7 @@ class _LayerNorm(_op.Op):
         "and the fused pre-norm residual add; fp32 statistics, batch-invariant rows, fixed-order dscale/doffset "
         "sums. CPU kernel with `scalar`, `avx2` and `avx512` tiers. `torch.compile` (fullgraph, dynamic shapes) "
         "and `torch.export`.")
+    cli_shape = "R,D"
 
     def __call__(
         self,
@@ -71,6 +72,21 @@ class _LayerNorm(_op.Op):
 
     def config_op_arguments(self, bound) -> tuple:
         return bound["x"], bound["axis"]
+
+    def add_cli_arguments(self, parser) -> None:
+        parser.add_argument("--residual", action="store_true", help="with the fused residual add")
+        parser.add_argument("--rms", action="store_true", help="subtract_mean=False (rms_norm)")
+
+    def cli_call(self, shape: str, dtype: torch.dtype, options):
+        try:
+            rows, cols = (int(v) for v in shape.split(","))
+        except ValueError:
+            raise ValueError(f"--shape must be R,D (rows, normalised length: two ints), got {shape!r}") from None
+        meta = dict(device="meta")
+        x = torch.empty(rows, cols, dtype=dtype, **meta)
+        return self.bind(x, torch.empty(cols, **meta), None if options.rms else torch.empty(cols, **meta),
+                         subtract_mean=not options.rms,
+                         residual=torch.empty(rows, cols, dtype=dtype, **meta) if options.residual else None)
 
     def cache_key_arguments(self, bound) -> dict:
         """The sizes, dtype and the residual's presence choose the config; the options do not."""
