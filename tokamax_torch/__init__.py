@@ -26,6 +26,8 @@ __version__ = "0.1.0"
 for _family in _registry.families().values():
     globals()[_family.name] = _family.kernel
 del _family
+#: layer_norm's kernel with subtract_mean=False (tokamax_torch.ops.layer_norm.rms_norm).
+rms_norm = ops.layer_norm.rms_norm
 
 
 def device_kind(device=None) -> str:
@@ -101,5 +103,6 @@ __all__ = sorted([
     "empty_cache",
     "get_configs",
     "ops",
+    "rms_norm",
     *_registry.families(),
 ])
