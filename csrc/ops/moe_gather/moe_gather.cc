@@ -1,22 +1,16 @@
-// The moe_permute CPU kernel: a stable counting sort in three passes over fixed chunks.
+// moe_permute (a StableCountingSort of the ids) and ragged_gather_reduce's CPU kernels.
 #include "csrc/ops/moe_gather/moe_gather.h"
 
 #include <algorithm>
 #include <limits>
 #include <string>
+#include <type_traits>
 
-#include "csrc/core/base/int_math.h"
+#include "csrc/ops/moe_gather/counting_sort.h"
 #include "csrc/core/runtime/large_buffer.h"
 #include "csrc/core/runtime/parallel.h"
 
 namespace tokamax {
-namespace {
-
-// Ids per chunk: the chunking is fixed (never derived from the thread count), so the placement
-// is the same at any thread count; 16K ids keep the per-chunk histograms small next to the ids.
-constexpr int64_t kPermuteChunk = int64_t{1} << 14;
-
-}  // namespace
 
 Status MoePermute(const MoePermuteParams& p) {
   const IndexMatrix& ids = p.expert_indices;
@@ -27,56 +21,167 @@ Status MoePermute(const MoePermuteParams& p) {
   if (n > std::numeric_limits<int32_t>::max()) {
     return Status::Error("moe_permute: T*k must be below 2^31 (group_sizes are int32), got " + std::to_string(n));
   }
-  const int64_t chunks = CeilDiv(n, kPermuteChunk);
-  // counts[c * experts + e]: ids equal to e in chunk c; later, where chunk c places its next e.
-  LargeBuffer<int64_t> counts(chunks * experts, LargeBuffer<int64_t>::kZeroed);
-  LargeBuffer<int64_t> first_bad(std::max<int64_t>(chunks, 1), LargeBuffer<int64_t>::kUninitialized);
-  auto id_at = [&](int64_t i) { return ids.cols == 0 ? 0 : ids.At(i / ids.cols, i % ids.cols); };
-  ParallelFor(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      int64_t* count = &counts[c * experts];
-      first_bad[c] = -1;
-      for (int64_t i = c * kPermuteChunk, stop = std::min(n, i + kPermuteChunk); i < stop; ++i) {
-        const int64_t e = id_at(i);
-        if (e < 0 || e >= experts) {
-          first_bad[c] = i;
-          break;
-        }
-        ++count[e];
-      }
-    }
-  });
-  for (int64_t c = 0; c < chunks; ++c) {
-    if (first_bad[c] >= 0) {
-      const int64_t i = first_bad[c];
-      return Status::Error("moe_permute: expert_indices[" + std::to_string(i / ids.cols) + ", " +
-                           std::to_string(i % ids.cols) + "] must be in [0, num_experts=" + std::to_string(experts) +
-                           "), got " + std::to_string(id_at(i)));
-    }
+  auto id_at = [&](int64_t i) { return ids.At(i / ids.cols, i % ids.cols); };
+  LargeBuffer<int64_t> starts(experts + 1, LargeBuffer<int64_t>::kUninitialized);
+  const int64_t bad = StableCountingSort(n, experts, id_at, p.order, p.inverse, &starts[0]);
+  if (bad >= 0) {
+    return Status::Error("moe_permute: expert_indices[" + std::to_string(bad / ids.cols) + ", " +
+                         std::to_string(bad % ids.cols) + "] must be in [0, num_experts=" + std::to_string(experts) +
+                         "), got " + std::to_string(id_at(bad)));
   }
-  // Exclusive prefix over (expert, chunk): expert e's rows start after all smaller experts', and
-  // within e, chunk c's after the earlier chunks' (stability).
-  int64_t next = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t start = next;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t count = counts[c * experts + e];
-      counts[c * experts + e] = next;
-      next += count;
-    }
-    p.group_sizes[e] = static_cast<int32_t>(next - start);
-  }
-  ParallelFor(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      int64_t* place = &counts[c * experts];
-      for (int64_t i = c * kPermuteChunk, stop = std::min(n, i + kPermuteChunk); i < stop; ++i) {
-        const int64_t pos = place[id_at(i)]++;
-        p.order[pos] = i;
-        p.inverse[i] = pos;
-      }
-    }
-  });
+  for (int64_t e = 0; e < experts; ++e) p.group_sizes[e] = static_cast<int32_t>(starts[e + 1] - starts[e]);
   return Status::Ok();
+}
+
+}  // namespace tokamax
+
+// ---- ragged_gather_reduce ------------------------------------------------------------------------
+
+namespace tokamax {
+namespace {
+
+// Columns per accumulator tile: 2 KiB of fp32 (4 KiB fp64) on the stack, in L1 with the rows.
+constexpr int64_t kColumnTile = 512;
+
+// fp32 accumulation, float64 for float64 storage.
+template <typename T>
+using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <typename T>
+Acc<T> Load(const T* p) {
+  if constexpr (std::is_same_v<T, double>) {
+    return *p;
+  } else {
+    return LoadAsFloat(p);
+  }
+}
+
+template <typename T>
+void Store(T* p, Acc<T> v) {
+  if constexpr (std::is_same_v<T, double>) {
+    *p = v;
+  } else {
+    StoreFromFloat(p, v);
+  }
+}
+
+// One element of a view of any float dtype, widened to double (exact), and its store.
+double LoadAny(const void* p, DType dtype) {
+  return DispatchDType(dtype, [&](auto tag) -> double {
+    using T = decltype(tag);
+    return static_cast<double>(Load(static_cast<const T*>(p)));
+  });
+}
+
+void StoreAny(void* p, DType dtype, double v) {
+  DispatchDType(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    Store(static_cast<T*>(p), static_cast<Acc<T>>(v));
+    return 0;
+  });
+}
+
+// Group size, divisibility and the indices of valid rows, before any write.
+Status CheckGatherReduce(const RaggedGatherReduceParams& p) {
+  const int64_t n = p.indices.count, rows = p.x.sizes[0];
+  if (p.group_size < 1 || n % p.group_size != 0) {
+    return Status::Error("ragged_gather_reduce: reduce_group_size must be >= 1 and divide N=" + std::to_string(n) +
+                         ", got " + std::to_string(p.group_size));
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    if (!p.valid[j * p.valid_stride]) continue;
+    const int64_t index = p.indices[j];
+    if (index < 0 || index >= rows) {
+      return Status::Error("ragged_gather_reduce: indices[" + std::to_string(j) + "] must be in [0, R=" +
+                           std::to_string(rows) + ") (a row of x) where valid_rows_mask is set, got " +
+                           std::to_string(index));
+    }
+  }
+  return Status::Ok();
+}
+
+// Rows per parallel task: about 16K elements of work, enough to pay for a task.
+int64_t Grain(int64_t work_per_item) {
+  return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, work_per_item));
+}
+
+}  // namespace
+
+Status RaggedGatherReduce(const RaggedGatherReduceParams& p) {
+  const Status status = CheckGatherReduce(p);
+  if (!status.ok()) return status;
+  const int64_t g = p.group_size, hidden = p.x.sizes[1], tokens = p.indices.count / g;
+  return DispatchDType(p.x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = Acc<T>;
+    ParallelFor(0, tokens, Grain(g * hidden), [&](int64_t begin, int64_t end) {
+      A acc[kColumnTile];
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t c0 = 0; c0 < hidden; c0 += kColumnTile) {
+          const int64_t width = std::min(kColumnTile, hidden - c0);
+          std::fill(acc, acc + width, A(0));
+          for (int64_t j = t * g; j < (t + 1) * g; ++j) {
+            if (!p.valid[j * p.valid_stride]) continue;
+            const A w = static_cast<A>(LoadAny(p.topk_weights.At(j), p.topk_weights.dtype));
+            const T* row = static_cast<const T*>(p.x.At(p.indices[j], c0));
+            const int64_t stride = p.x.strides[1];
+            for (int64_t h = 0; h < width; ++h) acc[h] += w * Load(row + h * stride);
+          }
+          T* out = static_cast<T*>(p.out.At(t, c0));
+          for (int64_t h = 0; h < width; ++h) Store(out + h * p.out.strides[1], acc[h]);
+        }
+      }
+    });
+    return Status::Ok();
+  });
+}
+
+Status RaggedGatherReduceBackward(const RaggedGatherReduceParams& p) {
+  const Status status = CheckGatherReduce(p);
+  if (!status.ok()) return status;
+  const int64_t g = p.group_size, hidden = p.x.sizes[1], rows = p.x.sizes[0], n = p.indices.count;
+  // dx by destination row: the valid j sorted by their row (stable, so j ascending within a row;
+  // the rest in a last bucket, `rows`), then each row summed by the one task that owns it. No
+  // atomics, and the order of each sum is fixed.
+  LargeBuffer<int64_t> order(n, LargeBuffer<int64_t>::kUninitialized);
+  LargeBuffer<int64_t> starts(rows + 2, LargeBuffer<int64_t>::kUninitialized);
+  StableCountingSort(
+      n, rows + 1, [&](int64_t j) { return p.valid[j * p.valid_stride] ? p.indices[j] : rows; }, &order[0], nullptr,
+      &starts[0]);
+  return DispatchDType(p.x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = Acc<T>;
+    const int64_t per_row = std::max<int64_t>(1, n / std::max<int64_t>(1, rows)) * hidden;
+    ParallelFor(0, rows, Grain(per_row), [&](int64_t begin, int64_t end) {
+      A acc[kColumnTile];
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t c0 = 0; c0 < hidden; c0 += kColumnTile) {
+          const int64_t width = std::min(kColumnTile, hidden - c0);
+          std::fill(acc, acc + width, A(0));
+          for (int64_t i = starts[r]; i < starts[r + 1]; ++i) {
+            const int64_t j = order[i];
+            const A w = static_cast<A>(LoadAny(p.topk_weights.At(j), p.topk_weights.dtype));
+            const T* dout = static_cast<const T*>(p.dout.At(j / g, c0));
+            for (int64_t h = 0; h < width; ++h) acc[h] += w * Load(dout + h * p.dout.strides[1]);
+          }
+          T* dx = static_cast<T*>(p.dx.At(r, c0));
+          for (int64_t h = 0; h < width; ++h) Store(dx + h * p.dx.strides[1], acc[h]);
+        }
+      }
+    });
+    ParallelFor(0, n, Grain(hidden), [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) {
+        A dot = 0;
+        if (p.valid[j * p.valid_stride]) {
+          const T* dout = static_cast<const T*>(p.dout.At(j / g, 0));
+          const T* x = static_cast<const T*>(p.x.At(p.indices[j], 0));
+          for (int64_t h = 0; h < hidden; ++h) dot += Load(dout + h * p.dout.strides[1]) * Load(x + h * p.x.strides[1]);
+        }
+        StoreAny(p.dtopk_weights.At(j), p.dtopk_weights.dtype, dot);
+      }
+    });
+    return Status::Ok();
+  });
 }
 
 }  // namespace tokamax

@@ -1,11 +1,13 @@
-// MoE data movement around ragged_dot. moe_permute: the (token, slot) positions of a router's
-// expert ids [T, k], sorted by expert (stable), their inverse, and the per-expert counts, i.e. the
-// row order and group_sizes a grouped matmul needs. Nothing to tile or tune: no Config.
+// MoE data movement around ragged_dot. Nothing to tile or tune: no Config.
+// moe_permute: the (token, slot) positions of a router's expert ids [T, k], sorted by expert
+// (stable), their inverse, and the per-expert counts: the row order and group_sizes of a grouped
+// matmul. ragged_gather_reduce: the MoE combine, each token's weighted sum of its gathered rows.
 #pragma once
 
 #include <cstdint>
 
 #include "csrc/core/base/status.h"
+#include "csrc/core/base/strided_view.h"
 
 namespace tokamax {
 
@@ -22,6 +24,18 @@ struct IndexMatrix {
   }
 };
 
+// A vector of int32 or int64 indices, stride in elements.
+struct IndexVector {
+  const void* data = nullptr;
+  bool is_int64 = true;
+  int64_t count = 0;
+  int64_t stride = 1;
+
+  int64_t operator[](int64_t i) const {
+    return is_int64 ? static_cast<const int64_t*>(data)[i * stride] : static_cast<const int32_t*>(data)[i * stride];
+  }
+};
+
 // Shapes are the adapter's to check; the kernel checks the id values before writing anything.
 struct MoePermuteParams {
   IndexMatrix expert_indices;  // [T, k], ids in [0, num_experts)
@@ -34,5 +48,28 @@ struct MoePermuteParams {
 // A counting sort over fixed chunks of the flattened ids (per-chunk histograms, one prefix sum,
 // then each chunk places its ids): the same output at any thread count, and stable.
 Status MoePermute(const MoePermuteParams& params);
+
+// ragged_gather_reduce, with N = T * group_size:
+//   out[t, :] = sum over j in [t*g, (t+1)*g), ascending, of (valid[j] ? w[j] * x[indices[j], :] : 0)
+// in fp32 (float64 for float64 x), stored in x's dtype. The backward:
+//   dx[r, :] = sum over valid j with indices[j] == r, ascending, of w[j] * dout[j / g, :]
+//   dw[j]    = valid[j] ? sum over h of dout[j / g, h] * x[indices[j], h] : 0
+// Indices of rows that are not valid are never read. Shapes and dtypes are the adapter's to
+// check; the kernels check the indices of valid rows before writing anything.
+struct RaggedGatherReduceParams {
+  StridedView<2> x;              // [R, H]
+  IndexVector indices;           // [N]
+  StridedView<1> topk_weights;   // [N], any float dtype
+  const uint8_t* valid = nullptr;  // [N] bools
+  int64_t valid_stride = 1;
+  int64_t group_size = 1;
+  MutableStridedView<2> out;     // forward: [T, H], x's dtype
+  StridedView<2> dout;           // backward: [T, H], x's dtype
+  MutableStridedView<2> dx;      // backward: [R, H], x's dtype
+  MutableStridedView<1> dtopk_weights;  // backward: [N], topk_weights' dtype
+};
+
+Status RaggedGatherReduce(const RaggedGatherReduceParams& params);
+Status RaggedGatherReduceBackward(const RaggedGatherReduceParams& params);
 
 }  // namespace tokamax

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <random>
 #include <string>
@@ -92,6 +93,102 @@ TEST(MoePermute, BadIdsErrorBeforeAnyWrite) {
   EXPECT_TRUE(std::all_of(got.inverse.begin(), got.inverse.end(), [](int64_t v) { return v == -7; }));
   EXPECT_TRUE(std::all_of(got.group_sizes.begin(), got.group_sizes.end(), [](int32_t v) { return v == -7; }));
   EXPECT_FALSE(RunPermute({0, 1}, 1, 2, 0, true, false, &got).ok());
+}
+
+}  // namespace
+}  // namespace tokamax
+
+namespace tokamax {
+namespace {
+
+// ragged_gather_reduce and its backward against a float64 loop: every dtype of x, fp32 weights,
+// a strided x, masked rows whose indices are out of range (never read), one and two threads.
+struct GatherReduceProblem {
+  int64_t rows = 9, hidden = 700, tokens = 6, g = 3;  // hidden > one 512-column tile
+  std::vector<double> x, dout, weights;
+  std::vector<int32_t> indices;
+  std::vector<uint8_t> valid;
+};
+
+GatherReduceProblem MakeGatherReduceProblem() {
+  GatherReduceProblem p;
+  std::mt19937 rng(5);
+  auto uniform = [&] { return static_cast<double>(static_cast<int>(rng() % 17) - 8) / 8; };  // exact in bf16
+  p.x.resize(p.rows * p.hidden);
+  p.dout.resize(p.tokens * p.hidden);
+  for (auto& v : p.x) v = uniform();
+  for (auto& v : p.dout) v = uniform();
+  for (int64_t j = 0; j < p.tokens * p.g; ++j) {
+    p.valid.push_back(j % 4 != 1);
+    p.indices.push_back(p.valid.back() ? static_cast<int32_t>(rng() % p.rows) : 1000);
+    p.weights.push_back(uniform());
+  }
+  return p;
+}
+
+TEST(RaggedGatherReduce, ForwardAndBackwardMatchFloat64Loop) {
+  const GatherReduceProblem p = MakeGatherReduceProblem();
+  const int64_t n = p.tokens * p.g;
+  std::vector<double> want(p.tokens * p.hidden, 0), want_dx(p.rows * p.hidden, 0), want_dw(n, 0);
+  for (int64_t j = 0; j < n; ++j) {
+    if (!p.valid[j]) continue;
+    for (int64_t h = 0; h < p.hidden; ++h) {
+      want[(j / p.g) * p.hidden + h] += p.weights[j] * p.x[p.indices[j] * p.hidden + h];
+      want_dx[p.indices[j] * p.hidden + h] += p.weights[j] * p.dout[(j / p.g) * p.hidden + h];
+      want_dw[j] += p.dout[(j / p.g) * p.hidden + h] * p.x[p.indices[j] * p.hidden + h];
+    }
+  }
+  for (int threads : {1, 2}) {
+    if (threads == 2) SetParallelBackend(&testing::TwoThreadBackend);
+    for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64}) {
+      // x stored transposed: [H, R] memory, [R, H] view.
+      testing::Buffer x(dtype, p.rows * p.hidden, 1), dout(dtype, p.tokens * p.hidden), out(dtype, p.tokens * p.hidden),
+          dx(dtype, p.rows * p.hidden), weights(DType::kFloat32, n), dw(DType::kFloat32, n);
+      for (int64_t r = 0; r < p.rows; ++r) {
+        for (int64_t h = 0; h < p.hidden; ++h) x.Set(h * p.rows + r, float(p.x[r * p.hidden + h]));
+      }
+      for (size_t i = 0; i < p.dout.size(); ++i) dout.Set(i, float(p.dout[i]));
+      for (int64_t j = 0; j < n; ++j) weights.Set(j, float(p.weights[j]));
+      RaggedGatherReduceParams params;
+      params.x = {x.data(), dtype, {p.rows, p.hidden}, {1, p.rows}};
+      params.indices = {p.indices.data(), false, n, 1};
+      params.topk_weights = {weights.data(), DType::kFloat32, {n}, {1}};
+      params.valid = p.valid.data();
+      params.group_size = p.g;
+      params.out = {out.data(), dtype, {p.tokens, p.hidden}, {p.hidden, 1}};
+      params.dout = {dout.data(), dtype, {p.tokens, p.hidden}, {p.hidden, 1}};
+      params.dx = {dx.data(), dtype, {p.rows, p.hidden}, {p.hidden, 1}};
+      params.dtopk_weights = {dw.data(), DType::kFloat32, {n}, {1}};
+      ASSERT_TRUE(RaggedGatherReduce(params).ok());
+      ASSERT_TRUE(RaggedGatherReduceBackward(params).ok());
+      const double tol = testing::Tolerance(dtype);
+      for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(out.Get(i), want[i], tol * (1 + std::abs(want[i]))) << i;
+      for (size_t i = 0; i < want_dx.size(); ++i) EXPECT_NEAR(dx.Get(i), want_dx[i], tol * (1 + std::abs(want_dx[i])));
+      for (int64_t j = 0; j < n; ++j) EXPECT_NEAR(dw.Get(j), want_dw[j], 1e-4 * (1 + std::abs(want_dw[j])));
+    }
+    SetParallelBackend(nullptr);
+  }
+}
+
+TEST(RaggedGatherReduce, BadIndexOrGroupSizeErrorsBeforeAnyWrite) {
+  std::vector<float> x(4 * 2, 1.0f), out(2 * 2, -7.0f), weights(4, 1.0f);
+  std::vector<int64_t> indices = {0, 3, 4, 1};
+  std::vector<uint8_t> valid = {1, 1, 1, 1};
+  RaggedGatherReduceParams params;
+  params.x = {x.data(), DType::kFloat32, {4, 2}, {2, 1}};
+  params.indices = {indices.data(), true, 4, 1};
+  params.topk_weights = {weights.data(), DType::kFloat32, {4}, {1}};
+  params.valid = valid.data();
+  params.group_size = 2;
+  params.out = {out.data(), DType::kFloat32, {2, 2}, {2, 1}};
+  Status status = RaggedGatherReduce(params);
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("indices[2] must be in [0, R=4)"), std::string::npos) << status.message();
+  EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float v) { return v == -7.0f; }));
+  valid[2] = 0;  // masked: its index is not read
+  EXPECT_TRUE(RaggedGatherReduce(params).ok());
+  params.group_size = 3;
+  EXPECT_FALSE(RaggedGatherReduce(params).ok());
 }
 
 }  // namespace
