@@ -81,23 +81,50 @@ void StoreAny(void* p, DType dtype, double v) {
   });
 }
 
-// Group size, divisibility and the indices of valid rows, before any write.
+// Whether row j of the gather takes part: the mask, then the range rule.
+bool Selected(const RaggedGatherReduceParams& p, int64_t j) {
+  if (p.valid != nullptr && !p.valid[j * p.valid_stride]) return false;
+  if (p.range == RowRange::kPosition) return p.start <= j && j < p.end;
+  if (p.range == RowRange::kIndex) {
+    const int64_t index = p.indices[j];
+    return p.start <= index && index < p.end;
+  }
+  return true;
+}
+
+// Group size, divisibility, the range bounds and the indices of selected rows, before any write.
 Status CheckGatherReduce(const RaggedGatherReduceParams& p) {
+  const std::string op = p.op;
   const int64_t n = p.indices.count, rows = p.x.sizes[0];
   if (p.group_size < 1 || n % p.group_size != 0) {
-    return Status::Error("ragged_gather_reduce: reduce_group_size must be >= 1 and divide N=" + std::to_string(n) +
-                         ", got " + std::to_string(p.group_size));
+    return Status::Error(op + ": reduce_group_size must be >= 1 and divide N=" + std::to_string(n) + ", got " +
+                         std::to_string(p.group_size));
+  }
+  if (p.range != RowRange::kNone) {
+    const bool by_index = p.range == RowRange::kIndex;
+    const int64_t limit = by_index ? rows : n;
+    if (p.start < 0 || p.start > p.end || p.end > limit) {
+      return Status::Error(op + ": start and end must satisfy 0 <= start <= end <= " + (by_index ? "R=" : "N=") +
+                           std::to_string(limit) + ", got start=" + std::to_string(p.start) +
+                           ", end=" + std::to_string(p.end));
+    }
+    if (by_index) return Status::Ok();  // a selected index lies in [start, end), within [0, R)
   }
   for (int64_t j = 0; j < n; ++j) {
-    if (!p.valid[j * p.valid_stride]) continue;
+    if (!Selected(p, j)) continue;
     const int64_t index = p.indices[j];
     if (index < 0 || index >= rows) {
-      return Status::Error("ragged_gather_reduce: indices[" + std::to_string(j) + "] must be in [0, R=" +
-                           std::to_string(rows) + ") (a row of x) where valid_rows_mask is set, got " +
-                           std::to_string(index));
+      return Status::Error(op + ": indices[" + std::to_string(j) + "] must be in [0, R=" + std::to_string(rows) +
+                           ") (a row of x) " +
+                           (p.range == RowRange::kPosition ? "for start <= j < end" : "where valid_rows_mask is set") +
+                           ", got " + std::to_string(index));
     }
   }
   return Status::Ok();
+}
+
+double WeightAt(const RaggedGatherReduceParams& p, int64_t j) {
+  return p.topk_weights.data == nullptr ? 1.0 : LoadAny(p.topk_weights.At(j), p.topk_weights.dtype);
 }
 
 // Rows per parallel task: about 16K elements of work, enough to pay for a task.
@@ -119,14 +146,22 @@ Status RaggedGatherReduce(const RaggedGatherReduceParams& p) {
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t c0 = 0; c0 < hidden; c0 += kColumnTile) {
           const int64_t width = std::min(kColumnTile, hidden - c0);
-          std::fill(acc, acc + width, A(0));
+          // The first selected row initialises the sum (w * x, not 0 + w * x): a gather with
+          // weight 1 then copies x exactly, -0.0 included.
+          bool first = true;
           for (int64_t j = t * g; j < (t + 1) * g; ++j) {
-            if (!p.valid[j * p.valid_stride]) continue;
-            const A w = static_cast<A>(LoadAny(p.topk_weights.At(j), p.topk_weights.dtype));
+            if (!Selected(p, j)) continue;
+            const A w = static_cast<A>(WeightAt(p, j));
             const T* row = static_cast<const T*>(p.x.At(p.indices[j], c0));
             const int64_t stride = p.x.strides[1];
-            for (int64_t h = 0; h < width; ++h) acc[h] += w * Load(row + h * stride);
+            if (first) {
+              for (int64_t h = 0; h < width; ++h) acc[h] = w * Load(row + h * stride);
+            } else {
+              for (int64_t h = 0; h < width; ++h) acc[h] += w * Load(row + h * stride);
+            }
+            first = false;
           }
+          if (first) std::fill(acc, acc + width, A(0));
           T* out = static_cast<T*>(p.out.At(t, c0));
           for (int64_t h = 0; h < width; ++h) Store(out + h * p.out.strides[1], acc[h]);
         }
@@ -146,7 +181,7 @@ Status RaggedGatherReduceBackward(const RaggedGatherReduceParams& p) {
   LargeBuffer<int64_t> order(n, LargeBuffer<int64_t>::kUninitialized);
   LargeBuffer<int64_t> starts(rows + 2, LargeBuffer<int64_t>::kUninitialized);
   StableCountingSort(
-      n, rows + 1, [&](int64_t j) { return p.valid[j * p.valid_stride] ? p.indices[j] : rows; }, &order[0], nullptr,
+      n, rows + 1, [&](int64_t j) { return Selected(p, j) ? p.indices[j] : rows; }, &order[0], nullptr,
       &starts[0]);
   return DispatchDType(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -160,7 +195,7 @@ Status RaggedGatherReduceBackward(const RaggedGatherReduceParams& p) {
           std::fill(acc, acc + width, A(0));
           for (int64_t i = starts[r]; i < starts[r + 1]; ++i) {
             const int64_t j = order[i];
-            const A w = static_cast<A>(LoadAny(p.topk_weights.At(j), p.topk_weights.dtype));
+            const A w = static_cast<A>(WeightAt(p, j));
             const T* dout = static_cast<const T*>(p.dout.At(j / g, c0));
             for (int64_t h = 0; h < width; ++h) acc[h] += w * Load(dout + h * p.dout.strides[1]);
           }
@@ -169,10 +204,11 @@ Status RaggedGatherReduceBackward(const RaggedGatherReduceParams& p) {
         }
       }
     });
+    if (p.dtopk_weights.data == nullptr) return Status::Ok();
     ParallelFor(0, n, Grain(hidden), [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {
         A dot = 0;
-        if (p.valid[j * p.valid_stride]) {
+        if (Selected(p, j)) {
           const T* dout = static_cast<const T*>(p.dout.At(j / g, 0));
           const T* x = static_cast<const T*>(p.x.At(p.indices[j], 0));
           for (int64_t h = 0; h < hidden; ++h) dot += Load(dout + h * p.dout.strides[1]) * Load(x + h * p.x.strides[1]);

@@ -49,24 +49,32 @@ struct MoePermuteParams {
 // then each chunk places its ids): the same output at any thread count, and stable.
 Status MoePermute(const MoePermuteParams& params);
 
-// ragged_gather_reduce, with N = T * group_size:
-//   out[t, :] = sum over j in [t*g, (t+1)*g), ascending, of (valid[j] ? w[j] * x[indices[j], :] : 0)
+// ragged_gather_reduce, with N = T * group_size and selected(j) = valid[j] (and the range rule):
+//   out[t, :] = sum over j in [t*g, (t+1)*g), ascending, of (selected(j) ? w[j] * x[indices[j], :] : 0)
 // in fp32 (float64 for float64 x), stored in x's dtype. The backward:
-//   dx[r, :] = sum over valid j with indices[j] == r, ascending, of w[j] * dout[j / g, :]
-//   dw[j]    = valid[j] ? sum over h of dout[j / g, h] * x[indices[j], h] : 0
-// Indices of rows that are not valid are never read. Shapes and dtypes are the adapter's to
-// check; the kernels check the indices of valid rows before writing anything.
+//   dx[r, :] = sum over selected j with indices[j] == r, ascending, of w[j] * dout[j / g, :]
+//   dw[j]    = selected(j) ? sum over h of dout[j / g, h] * x[indices[j], h] : 0
+// ragged_gather and ragged_scatter are the same kernels with g = 1, no weights (w = 1, an exact
+// copy) and no mask, rows selected by a range rule instead: start <= j < end (kPosition) or
+// start <= indices[j] < end (kIndex). Indices of rows not selected are never read. Shapes and
+// dtypes are the adapter's to check; the kernels check start/end and the indices of selected
+// rows before writing anything.
+enum class RowRange { kNone, kPosition, kIndex };
+
 struct RaggedGatherReduceParams {
+  const char* op = "ragged_gather_reduce";  // names the op in errors
   StridedView<2> x;              // [R, H]
   IndexVector indices;           // [N]
-  StridedView<1> topk_weights;   // [N], any float dtype
-  const uint8_t* valid = nullptr;  // [N] bools
+  StridedView<1> topk_weights;   // [N], any float dtype; null data: every weight is 1
+  const uint8_t* valid = nullptr;  // [N] bools; null: every row valid
   int64_t valid_stride = 1;
+  RowRange range = RowRange::kNone;
+  int64_t start = 0, end = 0;    // the range rule's bounds
   int64_t group_size = 1;
   MutableStridedView<2> out;     // forward: [T, H], x's dtype
   StridedView<2> dout;           // backward: [T, H], x's dtype
   MutableStridedView<2> dx;      // backward: [R, H], x's dtype
-  MutableStridedView<1> dtopk_weights;  // backward: [N], topk_weights' dtype
+  MutableStridedView<1> dtopk_weights;  // backward: [N], topk_weights' dtype; null data: not computed
 };
 
 Status RaggedGatherReduce(const RaggedGatherReduceParams& params);

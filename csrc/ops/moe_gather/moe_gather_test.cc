@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
@@ -189,6 +190,51 @@ TEST(RaggedGatherReduce, BadIndexOrGroupSizeErrorsBeforeAnyWrite) {
   EXPECT_TRUE(RaggedGatherReduce(params).ok());
   params.group_size = 3;
   EXPECT_FALSE(RaggedGatherReduce(params).ok());
+}
+
+}  // namespace
+}  // namespace tokamax
+
+namespace tokamax {
+namespace {
+
+// ragged_gather (rows start <= j < end) and ragged_scatter (start <= indices[j] < end): the reduce
+// kernels with g = 1, no weights and no mask. Exact copies; dx sums the selected rows of dout.
+TEST(RaggedGather, PositionAndIndexRulesCopyExactlyAndSumGradients) {
+  const int64_t rows = 5, hidden = 3, n = 6;
+  std::vector<float> x(rows * hidden), dout(n * hidden, 1.0f);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i) - 0.5f;
+  x[0] = -0.0f;
+  std::vector<int32_t> indices = {9, 0, 2, 2, 4, -3};
+  for (RowRange range : {RowRange::kPosition, RowRange::kIndex}) {
+    std::vector<float> out(n * hidden, -7.0f), dx(rows * hidden, -7.0f);
+    RaggedGatherReduceParams params;
+    params.op = "ragged_gather";
+    params.x = {x.data(), DType::kFloat32, {rows, hidden}, {hidden, 1}};
+    params.indices = {indices.data(), false, n, 1};
+    params.range = range;
+    params.start = range == RowRange::kPosition ? 1 : 0;
+    params.end = range == RowRange::kPosition ? 5 : 3;  // kIndex: rows 0..2 of x
+    params.out = {out.data(), DType::kFloat32, {n, hidden}, {hidden, 1}};
+    params.dout = {dout.data(), DType::kFloat32, {n, hidden}, {hidden, 1}};
+    params.dx = {dx.data(), DType::kFloat32, {rows, hidden}, {hidden, 1}};
+    ASSERT_TRUE(RaggedGatherReduce(params).ok());
+    ASSERT_TRUE(RaggedGatherReduceBackward(params).ok());
+    for (int64_t j = 0; j < n; ++j) {
+      const bool kept = range == RowRange::kPosition ? (j >= 1 && j < 5) : (indices[j] >= 0 && indices[j] < 3);
+      for (int64_t h = 0; h < hidden; ++h) {
+        const float want = kept ? x[indices[j] * hidden + h] : 0.0f;
+        EXPECT_EQ(std::memcmp(&out[j * hidden + h], &want, sizeof(float)), 0) << j << " " << h;  // -0.0 too
+      }
+    }
+    const std::vector<float> want_dx_row = range == RowRange::kPosition ? std::vector<float>{1, 0, 2, 0, 1}
+                                                                        : std::vector<float>{1, 0, 2, 0, 0};
+    for (int64_t r = 0; r < rows; ++r) EXPECT_EQ(dx[r * hidden], want_dx_row[r]) << r;
+    params.end = range == RowRange::kPosition ? n + 1 : rows + 1;
+    std::fill(out.begin(), out.end(), -7.0f);
+    EXPECT_FALSE(RaggedGatherReduce(params).ok());
+    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float v) { return v == -7.0f; }));
+  }
 }
 
 }  // namespace
