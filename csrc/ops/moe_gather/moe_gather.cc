@@ -2,6 +2,7 @@
 #include "csrc/ops/moe_gather/moe_gather.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -138,6 +139,21 @@ Status RaggedGatherReduce(const RaggedGatherReduceParams& p) {
   const Status status = CheckGatherReduce(p);
   if (!status.ok()) return status;
   const int64_t g = p.group_size, hidden = p.x.sizes[1], tokens = p.indices.count / g;
+  if (g == 1 && p.topk_weights.data == nullptr && p.x.strides[1] == 1 && p.out.strides[1] == 1) {
+    // A plain row gather (ragged_gather, ragged_scatter): rows copied whole, bits unchanged.
+    const size_t row_bytes = static_cast<size_t>(hidden * DTypeSize(p.x.dtype));
+    ParallelFor(0, tokens, Grain(hidden), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        void* out = p.out.At(t, 0);
+        if (Selected(p, t)) {
+          std::memcpy(out, p.x.At(p.indices[t], 0), row_bytes);
+        } else {
+          std::memset(out, 0, row_bytes);
+        }
+      }
+    });
+    return Status::Ok();
+  }
   return DispatchDType(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = Acc<T>;
