@@ -82,6 +82,44 @@ void StoreAny(void* p, DType dtype, double v) {
   });
 }
 
+// acc[h] (=|+=) w * row[h * stride], h < width. The unit-stride loops are separate so the
+// compiler vectorizes them (the widening of bf16/fp16 included).
+template <typename T, typename A>
+void Axpy(A* acc, const T* row, int64_t stride, int64_t width, A w, bool assign) {
+  if (stride == 1) {
+    if (assign) {
+      for (int64_t h = 0; h < width; ++h) acc[h] = w * Load(row + h);
+    } else {
+      for (int64_t h = 0; h < width; ++h) acc[h] += w * Load(row + h);
+    }
+    return;
+  }
+  if (assign) {
+    for (int64_t h = 0; h < width; ++h) acc[h] = w * Load(row + h * stride);
+  } else {
+    for (int64_t h = 0; h < width; ++h) acc[h] += w * Load(row + h * stride);
+  }
+}
+
+// sum over h < n of a[h * sa] * b[h * sb]. Unit strides: 8 interleaved partial sums (lane h % 8),
+// added pairwise at the end: a fixed order the compiler can vectorize.
+template <typename T, typename A = Acc<T>>
+A Dot(const T* a, int64_t sa, const T* b, int64_t sb, int64_t n) {
+  if (sa != 1 || sb != 1) {
+    A dot = 0;
+    for (int64_t h = 0; h < n; ++h) dot += Load(a + h * sa) * Load(b + h * sb);
+    return dot;
+  }
+  constexpr int kLanes = 8;
+  A part[kLanes] = {};
+  int64_t h = 0;
+  for (; h + kLanes <= n; h += kLanes) {
+    for (int l = 0; l < kLanes; ++l) part[l] += Load(a + h + l) * Load(b + h + l);
+  }
+  for (int l = 0; h < n; ++h, ++l) part[l] += Load(a + h) * Load(b + h);
+  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
 // Whether row j of the gather takes part: the mask, then the range rule.
 bool Selected(const RaggedGatherReduceParams& p, int64_t j) {
   if (p.valid != nullptr && !p.valid[j * p.valid_stride]) return false;
@@ -168,13 +206,7 @@ Status RaggedGatherReduce(const RaggedGatherReduceParams& p) {
           for (int64_t j = t * g; j < (t + 1) * g; ++j) {
             if (!Selected(p, j)) continue;
             const A w = static_cast<A>(WeightAt(p, j));
-            const T* row = static_cast<const T*>(p.x.At(p.indices[j], c0));
-            const int64_t stride = p.x.strides[1];
-            if (first) {
-              for (int64_t h = 0; h < width; ++h) acc[h] = w * Load(row + h * stride);
-            } else {
-              for (int64_t h = 0; h < width; ++h) acc[h] += w * Load(row + h * stride);
-            }
+            Axpy(acc, static_cast<const T*>(p.x.At(p.indices[j], c0)), p.x.strides[1], width, w, first);
             first = false;
           }
           if (first) std::fill(acc, acc + width, A(0));
@@ -212,8 +244,7 @@ Status RaggedGatherReduceBackward(const RaggedGatherReduceParams& p) {
           for (int64_t i = starts[r]; i < starts[r + 1]; ++i) {
             const int64_t j = order[i];
             const A w = static_cast<A>(WeightAt(p, j));
-            const T* dout = static_cast<const T*>(p.dout.At(j / g, c0));
-            for (int64_t h = 0; h < width; ++h) acc[h] += w * Load(dout + h * p.dout.strides[1]);
+            Axpy(acc, static_cast<const T*>(p.dout.At(j / g, c0)), p.dout.strides[1], width, w, false);
           }
           T* dx = static_cast<T*>(p.dx.At(r, c0));
           for (int64_t h = 0; h < width; ++h) Store(dx + h * p.dx.strides[1], acc[h]);
@@ -225,9 +256,8 @@ Status RaggedGatherReduceBackward(const RaggedGatherReduceParams& p) {
       for (int64_t j = begin; j < end; ++j) {
         A dot = 0;
         if (Selected(p, j)) {
-          const T* dout = static_cast<const T*>(p.dout.At(j / g, 0));
-          const T* x = static_cast<const T*>(p.x.At(p.indices[j], 0));
-          for (int64_t h = 0; h < hidden; ++h) dot += Load(dout + h * p.dout.strides[1]) * Load(x + h * p.x.strides[1]);
+          dot = Dot(static_cast<const T*>(p.dout.At(j / g, 0)), p.dout.strides[1],
+                    static_cast<const T*>(p.x.At(p.indices[j], 0)), p.x.strides[1], hidden);
         }
         StoreAny(p.dtopk_weights.At(j), p.dtopk_weights.dtype, dot);
       }
