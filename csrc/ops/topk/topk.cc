@@ -45,7 +45,13 @@ Status SelectFunction(const char* op, DType dtype, SelectRowFn* select) {
   return Status::Error(std::string(op) + ": scores must be float32, bfloat16 or float16, got " + DTypeName(dtype));
 }
 
-Status CheckK(const char* op, int64_t k, int64_t n, const char* n_name) {
+// What both entry points check first: the row selection for the scores' dtype, and
+// 1 <= k <= n (the row length, named n_name in the error).
+Status BeginSelect(const char* op, const StridedView<2>& scores, int64_t k, const char* n_name,
+                   SelectRowFn* select) {
+  Status status = SelectFunction(op, scores.dtype, select);
+  if (!status.ok()) return status;
+  const int64_t n = scores.sizes[1];
   if (k < 1 || k > n) {
     return Status::Error(std::string(op) + ": k must be in [1, " + n_name + "=" + std::to_string(n) + "], got " +
                          std::to_string(k));
@@ -62,9 +68,7 @@ int64_t RowGrain(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 14) 
 Status RouterTopK(const RouterTopKParams& params) {
   const int64_t rows = params.scores.sizes[0], cols = params.scores.sizes[1], k = params.k;
   SelectRowFn select;
-  Status status = SelectFunction("router_topk", params.scores.dtype, &select);
-  if (!status.ok()) return status;
-  status = CheckK("router_topk", k, cols, "E");
+  const Status status = BeginSelect("router_topk", params.scores, k, "E", &select);
   if (!status.ok()) return status;
   if (rows == 0) return Status::Ok();
   ParallelFor(0, rows, RowGrain(cols), [&](int64_t begin, int64_t end) {
@@ -91,9 +95,7 @@ Status RouterTopK(const RouterTopKParams& params) {
 Status TopK(const TopKParams& params) {
   const int64_t rows = params.scores.sizes[0], cols = params.scores.sizes[1], k = params.k;
   SelectRowFn select;
-  Status status = SelectFunction("topk", params.scores.dtype, &select);
-  if (!status.ok()) return status;
-  status = CheckK("topk", k, cols, "n");
+  const Status status = BeginSelect("topk", params.scores, k, "n", &select);
   if (!status.ok()) return status;
   if (rows == 0) return Status::Ok();
   const bool f32_values = params.values != nullptr && params.scores.dtype == DType::kFloat32;
