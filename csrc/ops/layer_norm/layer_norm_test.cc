@@ -32,6 +32,22 @@ LayerNormRows RowsView(const Buffer& b) {
   return v;
 }
 
+// The forward's params over kRows rows of x (kRowStride apart) with an fp32 scale of kCols.
+LayerNormParams RowParams(const Buffer& x, const Buffer& scale, Buffer& y, std::vector<float>& mean,
+                          std::vector<float>& rstd) {
+  LayerNormParams p;
+  p.rows = kRows;
+  p.cols = kCols;
+  p.x = RowsView(x);
+  p.scale.data = scale.data();
+  p.scale.sizes[0] = kCols;
+  p.scale.strides[0] = 1;
+  p.y = y.data();
+  p.mean = mean.data();
+  p.rstd = rstd.data();
+  return p;
+}
+
 class LayerNormTest : public ::testing::TestWithParam<std::tuple<Isa, DType, bool>> {};
 
 TEST_P(LayerNormTest, ForwardMatchesFloat64OracleForEveryConfig) {
@@ -51,16 +67,7 @@ TEST_P(LayerNormTest, ForwardMatchesFloat64OracleForEveryConfig) {
   const LayerNormShape shape{kRows, kCols};
   for (const LayerNormConfig& config : LayerNormConfigSpace(shape, dtype, GetCpuInfo(), LayerNormProduct::kForward)) {
     std::vector<float> mean(kRows), rstd(kRows);
-    LayerNormParams p;
-    p.rows = kRows;
-    p.cols = kCols;
-    p.x = RowsView(x);
-    p.scale.data = scale.data();
-    p.scale.sizes[0] = kCols;
-    p.scale.strides[0] = 1;
-    p.y = y.data();
-    p.mean = mean.data();
-    p.rstd = rstd.data();
+    LayerNormParams p = RowParams(x, scale, y, mean, rstd);
     p.epsilon = 1e-5;
     p.scale_offset = 1.0;
     p.subtract_mean = subtract_mean;
@@ -92,18 +99,9 @@ TEST_P(LayerNormTest, BackwardSumsAreFixedOrder) {
   // Statistics from the forward.
   std::vector<float> mean(kRows), rstd(kRows);
   Buffer y(dtype, kRows * kCols);
-  LayerNormParams p;
-  p.rows = kRows;
-  p.cols = kCols;
-  p.x = RowsView(x);
-  p.scale.data = scale.data();
-  p.scale.sizes[0] = kCols;
-  p.scale.strides[0] = 1;
+  LayerNormParams p = RowParams(x, scale, y, mean, rstd);
   p.offset = p.scale;
   p.offset.data = offset.data();
-  p.y = y.data();
-  p.mean = mean.data();
-  p.rstd = rstd.data();
   p.subtract_mean = subtract_mean;
   ASSERT_TRUE(LayerNorm(p, LayerNormConfig{}).ok());
   p.dy = RowsView(dy);
