@@ -165,32 +165,40 @@ void RunTask(const RaggedPagedAttentionParams& p, const RaggedPagedAttentionConf
   auto row_at = [&](int64_t pos, int64_t merged) -> const void* {
     return p.kv_cache.At(p.page_indices[task.seq * pages_per_seq + pos / page_size], pos % page_size, merged, 0);
   };
-  // for_runs(s0, s1, which, then, then_which, run): run(g, rows, keys, st row, next) for every run
-  // of kRunKeys keys of the tile [s0, s1) (runs stop at page ends), every kv head of a run before
-  // the next run. `next` is the rows the same head reads next: its next run, wherever its page
-  // is (pages are scattered, so the hardware prefetchers cannot guess it), after the tile's last
-  // run the rows at position `then` of merged head 2g + then_which (V after K, the next tile's K
-  // after V; none when then < 0). The row products ask for it into L2 as they go.
-  auto for_runs = [&](int64_t s0, int64_t s1, int64_t which, int64_t then, int64_t then_which, auto&& run) {
+  const int64_t row_bytes = d * DTypeSize(kv_dtype), ld_bytes = ld * DTypeSize(kv_dtype);
+  // for_runs(s0, s1, which, run): run(g, rows, keys, st row, pos) for every run of kRunKeys keys
+  // at position pos of the tile [s0, s1) (runs stop at page ends), every kv head of a run before
+  // the next run.
+  auto for_runs = [&](int64_t s0, int64_t s1, int64_t which, auto&& run) {
     for (int64_t pos = s0; pos < s1;) {
       const int64_t page = pos / page_size, offset = pos % page_size;
       const int64_t n = std::min(s1 - pos, page_size - offset);
       const int64_t physical = p.page_indices[task.seq * pages_per_seq + page];
       for (int64_t j0 = 0; j0 < n; j0 += kRunKeys) {
-        const int64_t keys = std::min(kRunKeys, n - j0), following = pos + j0 + keys;
+        const int64_t keys = std::min(kRunKeys, n - j0);
         for (int64_t g = task.g0; g < task.g1; ++g) {
-          const void* rows_ptr = p.kv_cache.At(physical, offset + j0, 2 * g + which, 0);
-          const void* next = following < s1 ? row_at(following, 2 * g + which)
-                                            : then >= 0 ? row_at(then, 2 * g + then_which) : nullptr;
-          run(g, rows_ptr, keys, pos - s0 + j0, next);
+          run(g, p.kv_cache.At(physical, offset + j0, 2 * g + which, 0), keys, pos - s0 + j0, pos + j0);
         }
       }
       pos += n;
     }
   };
+  // Prefetching: a head's rows are a cache row apart (2 * Hkv * D elements) and pages are
+  // scattered, so the hardware prefetchers find nothing to follow; the K pass asks for the run's
+  // V rows at once (read by the V pass from L2) and, through the row products' `next`, for the
+  // head's next K run; the V pass for the next tile's K rows at the same offset.
+  auto next_k = [&](int64_t following, int64_t g) -> const void* {
+    return following < k_hi ? row_at(following, 2 * g) : nullptr;
+  };
   for (int64_t t0 = k_lo / block * block; t0 < k_hi; t0 += block) {
     const int64_t s0 = std::max(t0, k_lo), s1 = std::min(t0 + block, k_hi), keys = s1 - s0;
-    for_runs(s0, s1, 0, s0, 1, [&](int64_t g, const void* key, int64_t n, int64_t j, const void* next) {
+    for_runs(s0, s1, 0, [&](int64_t g, const void* key, int64_t n, int64_t j, int64_t pos) {
+      const char* value = static_cast<const char*>(p.kv_cache.At(0, 0, 1, 0)) -
+                          static_cast<const char*>(p.kv_cache.At(0, 0, 0, 0)) + static_cast<const char*>(key);
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(value + r * ld_bytes + b, 0, 2);
+      }
+      const void* next = next_k(pos + n, g);
       const int64_t base = (g - task.g0) * per_head;
       for (int64_t c0 = 0; c0 < per_head; c0 += kRows) {
         const int64_t count = std::min(kRows, per_head - c0);
@@ -229,7 +237,8 @@ void RunTask(const RaggedPagedAttentionParams& p, const RaggedPagedAttentionConf
     UpdateRunningMax(*k.softmax, st, keys, cols, cols, max, sum, alpha, sub, tile_max);
     k.softmax->exp_columns(st, keys, cols, cols, sub, sum);
     k.softmax->scale_rows(acc, d, rows, d, alpha);
-    for_runs(s0, s1, 1, s1 < k_hi ? s1 : -1, 0, [&](int64_t g, const void* value, int64_t n, int64_t j, const void* next) {
+    for_runs(s0, s1, 1, [&](int64_t g, const void* value, int64_t n, int64_t j, int64_t pos) {
+      const void* next = next_k(pos + keys, g);
       const int64_t base = (g - task.g0) * per_head;
       for (int64_t c0 = 0; c0 < per_head; c0 += kRows) {
         const int64_t count = std::min(kRows, per_head - c0);
