@@ -209,7 +209,8 @@ def test_explicit_configs_are_honoured(contract, product):
 @pytest.mark.parametrize("contract,impl,message,configs", _invalid_configs())
 def test_invalid_configs_rejected(contract, impl, message, configs):
     call = contract.samples[0].make()
-    assert leaves(call), "the first sample has gradients: backward configs are checked at the forward call"
+    if len(contract.kernel.product_specs) > 1:  # an op with a backward product
+        assert leaves(call), "the first sample has gradients: backward configs are checked at the forward call"
     args, kwargs = with_configs(call, configs)
     with pytest.raises(RuntimeError, match=message):
         impl(*args, **kwargs)
@@ -278,7 +279,7 @@ def _donating_samples(compiled=False):
 @pytest.mark.parametrize("contract,impl,sample", _donating_samples())
 def test_donated_result_is_the_input(contract, impl, sample):
     call = sample.make()
-    out = outputs(impl(*call[0], **call[1]))
+    out = impl.donated_outputs(impl(*call[0], **call[1]))
     for (name, x), o in zip(donated(impl, call), out):
         assert o is x or (o.data_ptr() == x.data_ptr() and o.untyped_storage().data_ptr()
                           == x.untyped_storage().data_ptr()), f"{name}: the result is not the donated buffer"
@@ -290,10 +291,11 @@ def _compiled_against_eager(impl, call, compiled_fn):
     compiled results are the compiled call's own donated buffers."""
     eager_call, compiled_call = fresh_copy(call), fresh_copy(call)
     eager = outputs(impl(*eager_call[0], **eager_call[1]))
-    got = outputs(compiled_fn(*compiled_call[0], **compiled_call[1]))
+    result = compiled_fn(*compiled_call[0], **compiled_call[1])
+    got = outputs(result)
     assert_all_equal(got, eager, "compiled against eager")
     assert_all_equal(all_tensors(compiled_call), all_tensors(eager_call), "arguments after the call")
-    for (name, x), o in zip(donated(impl, compiled_call), got):
+    for (name, x), o in zip(donated(impl, compiled_call), impl.donated_outputs(result)):
         assert o.data_ptr() == x.data_ptr(), f"{name}: the compiled result is not the donated buffer"
     return compiled_call
 

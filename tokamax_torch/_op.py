@@ -274,12 +274,20 @@ class Op:
         return tuple(names.index(a) for a in self.donated_args)
 
     def _call_donating(self, *schema_args):
-        """Calls the op (which returns nothing and writes its donated arguments in place) and
-        returns the donated arguments themselves: one tensor, or a tuple of several. Under
-        torch.compile the mutation is functionalized and reinplaced: no copy (design.md)."""
-        self._op(*schema_args)
+        """Calls the op (which writes its donated arguments in place) and returns the donated
+        arguments themselves: one tensor, or a tuple of several; for an op that also returns
+        results of its own, the pair (results, donated). Under torch.compile the mutation is
+        functionalized and reinplaced: no copy (design.md)."""
+        results = self._op(*schema_args)
         donated = tuple(schema_args[i] for i in self._donated_positions)
-        return donated[0] if len(donated) == 1 else donated
+        donated = donated[0] if len(donated) == 1 else donated
+        return donated if results is None else (results, donated)
+
+    def donated_outputs(self, result) -> tuple:
+        """The donated buffers among what ``__call__`` returned, in ``donated_args`` order: by
+        default the result itself (one tensor or a tuple of them). An op that returns results of
+        its own beside them overrides this (the donation proofs find the buffers here)."""
+        return result if isinstance(result, tuple) else (result,)
 
     # ---- binding --------------------------------------------------------------------------
 
