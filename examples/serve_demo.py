@@ -47,19 +47,20 @@ class ModelConfig:
     kv_heads: int = 2
     head_dim: int = 64
     hidden: int = 1024
-    max_context: int = 512
+    max_context: int = 768
     eps: float = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
     requests: int = 12
-    prompt_lens: tuple[int, int] = (16, 320)  # drawn uniformly in [lo, hi]
-    new_tokens: tuple[int, int] = (8, 40)
-    max_seqs: int = 6  # sequence slots per step
+    prompt_lens: tuple[int, int] = (16, 512)  # drawn uniformly in [lo, hi]
+    new_tokens: tuple[int, int] = (32, 128)
+    max_seqs: int = 8  # sequence slots per step
     token_budget: int = 128  # tokens per step (decode tokens + prompt chunks)
     page_size: int = 16
-    total_pages: int = 96  # fewer than all requests need together: pages are reused
+    total_pages: int = 224  # fewer than all requests need together: pages are reused
+    timed_runs: int = 2  # each engine serves everything this many times after warm-up; the fastest counts
     seed: int = 0
 
 
@@ -437,6 +438,7 @@ def run(model_cfg: ModelConfig = ModelConfig(), cfg: ServeConfig = ServeConfig()
     """Serves the requests with both engines and the plain model. Raises SystemExit when a
     request's tokens differ from the plain model's or a step compiles again after warm-up.
     Returns, per engine, the seconds, tokens/s, graphs compiled in warm-up and step statistics."""
+    start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     log = print if verbose else (lambda *a, **k: None)
     model = TinyLM(model_cfg, seed=cfg.seed).eval()
@@ -463,17 +465,19 @@ def run(model_cfg: ModelConfig = ModelConfig(), cfg: ServeConfig = ServeConfig()
             serve(engine, [Request(-1, requests[0].prompt[:5], 3)], cfg, model_cfg)  # warm-up: compiles the step
             warmup_s = time.perf_counter() - t0
             compiled = counters["unique_graphs"] - graphs
-            served = fresh(requests)
-            with torch._dynamo.config.patch(error_on_recompile=True):
-                t0 = time.perf_counter()
-                stats = serve(engine, served, cfg, model_cfg)
-                seconds = time.perf_counter() - t0
-            if counters["unique_graphs"] != graphs + compiled:
-                raise SystemExit(f"{engine.name}: compiled again after warm-up")
-            for r in served:
-                if r.generated != expected[r.rid]:
-                    raise SystemExit(f"{engine.name}: request {r.rid} generated {r.generated}, "
-                                     f"the plain model {expected[r.rid]}")
+            seconds = float("inf")
+            for _ in range(cfg.timed_runs):
+                served = fresh(requests)
+                with torch._dynamo.config.patch(error_on_recompile=True):
+                    t0 = time.perf_counter()
+                    stats = serve(engine, served, cfg, model_cfg)
+                    seconds = min(seconds, time.perf_counter() - t0)
+                if counters["unique_graphs"] != graphs + compiled:
+                    raise SystemExit(f"{engine.name}: compiled again after warm-up")
+                for r in served:
+                    if r.generated != expected[r.rid]:
+                        raise SystemExit(f"{engine.name}: request {r.rid} generated {r.generated}, "
+                                         f"the plain model {expected[r.rid]}")
             results[engine.name] = dict(seconds=seconds, warmup_s=warmup_s, graphs_compiled=compiled, **stats)
             log(f"{engine.name}: warm-up compiled {compiled} graph(s) in {warmup_s:.1f} s, then {stats['steps']} steps "
                 f"with no recompilation ({stats['mixed_kinds']} mixing decode/prefill/chunked-prefill sequences, "
@@ -485,7 +489,8 @@ def run(model_cfg: ModelConfig = ModelConfig(), cfg: ServeConfig = ServeConfig()
         r["generated_per_s"] = new_tokens / r["seconds"]
         r["tokens_per_s"] = (prompt_tokens + new_tokens) / r["seconds"]
         log(f"{name:<38}{r['seconds']:>9.2f}{r['generated_per_s']:>17.1f}{r['tokens_per_s']:>11.1f}")
-    log("(all tok/s: prompt and generated tokens per second; compile time excluded)")
+    log(f"(all tok/s: prompt and generated tokens per second; the engines' fastest of {cfg.timed_runs} runs, "
+        f"compilation excluded; the whole demo took {time.perf_counter() - start:.0f} s)")
     return results
 
 

@@ -25,7 +25,7 @@ def small_configs(demo):
     model = demo.ModelConfig(vocab=256, dim=128, layers=2, heads=4, kv_heads=2, head_dim=32, hidden=256,
                              max_context=128)
     serve = demo.ServeConfig(requests=8, prompt_lens=(3, 60), new_tokens=(2, 16), max_seqs=4, token_budget=32,
-                             page_size=8, total_pages=24)
+                             page_size=8, total_pages=24, timed_runs=1)
     return model, serve
 
 
