@@ -99,12 +99,12 @@ def bits_equal(a, b):
                                                                     b.contiguous().view(-1).view(torch.uint8))
 
 
-def check(impl, args, options=None, tol=None):
+def check(impl, args, options=None, tol=None, configs=None):
     options = options or {}
     args = tuple(a.clone() for a in args)
     want_out, want_cache, want_lse = oracle(*args, **options)
     cache = args[3]
-    out, returned, lse = impl(*args, return_lse=True, **options)
+    out, returned, lse = impl(*args, return_lse=True, configs=configs, **options)
     assert returned is cache
     assert bits_equal(cache, want_cache.to(cache.dtype))
     assert out.dtype == (options.get("out_dtype") or args[0].dtype)
@@ -132,6 +132,21 @@ def test_matches_float64_oracle(impl, num_threads, dtype, options):
     check(impl, problem(dtype=dtype), options)
 
 
+def with_fields(args, **fields):
+    """The heuristic forward config of the call with `fields` changed, as configs=."""
+    base = rpa.kernel.get_configs(*args)[0]
+    return rpa.Config(**{**base.__dict__, **fields}), None
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_threads", [1, 3], indirect=True)
+def test_gemm_path_matches_float64_oracle(num_threads, dtype, options):
+    # Every sequence of at least 2 tokens on dot_product_attention's kernel, the decodes on the rows.
+    args = problem(dtype=dtype)
+    check(rpa.kernel, args, options, configs=with_fields(args, gemm_min_tokens=2))
+
+
 @pytest.mark.parametrize("impl", [rpa.reference, rpa.kernel], ids=["reference", "kernel"])
 def test_gqa_long_sequences_int64_and_mixed_dtypes(impl):
     # Group 8 (more than one 8-row product), D = 64, pages of 16, decode and prefill and mixed.
@@ -153,11 +168,10 @@ def test_every_config_of_the_space_matches_the_oracle(config):
 def test_bits_do_not_depend_on_task_shape():
     # q_tile_tokens and task_rows regroup rows into tasks; the bits stay (block_kv, split_kv fixed).
     args = problem(q_lens=(1, 37, 5), kv_lens=(300, 100, 64), pages_per_seq=20, page_size=16, q_heads=8, kv_heads=2)
-    base = rpa.kernel.get_configs(*args)[0]
     results = []
     for q_tile, rows in ((32, 128), (1, 1), (7, 30), (64, 8192)):
-        config = rpa.Config(**{**base.__dict__, "q_tile_tokens": q_tile, "task_rows": rows})
-        results.append(rpa.kernel(*(a.clone() for a in args), return_lse=True, configs=(config, None)))
+        configs = with_fields(args, q_tile_tokens=q_tile, task_rows=rows, gemm_min_tokens=0)
+        results.append(rpa.kernel(*(a.clone() for a in args), return_lse=True, configs=configs))
     for out, _, lse in results[1:]:
         assert bits_equal(out, results[0][0]) and bits_equal(lse, results[0][2])
 
@@ -294,9 +308,9 @@ CONTRACT = OpContract(
     ],
     bad_inputs=_bad_inputs,
     invalid_configs=[
-        ("expected 4 values", ([8], None)),
-        ("config: ragged_paged_attention config: block_kv must be", ([4, 32, 128, 0], None)),
-        ("split_kv must be a multiple of block_kv", ([64, 32, 128, 96], None)),
+        ("expected 5 values", ([8], None)),
+        ("config: ragged_paged_attention config: block_kv must be", ([4, 32, 128, 0, 32], None)),
+        ("split_kv must be a multiple of block_kv", ([64, 32, 128, 96, 32], None)),
     ],
     config_samples={"forward": Sample("decode-and-prefill", _sample(q_lens=(1, 1, 40), kv_lens=(900, 300, 700),
                                                                      pages_per_seq=60, page_size=16, d=32))},
@@ -338,14 +352,15 @@ def rpa_problems(draw):
     args = problem(tuple(q_lens), tuple(kv_lens), dist, pages_per_seq, page_size, kv_heads * group, kv_heads,
                    draw(st.sampled_from([1, 8, 32, 40])), dtype, padding=draw(st.integers(0, 2)),
                    seed=draw(st.integers(0, 2**31 - 1)))
-    return args, options
+    return args, options, draw(st.sampled_from([None, 0, 1, 5]), label="gemm_min_tokens")
 
 
 @settings(PROFILE, max_examples=120)
 @given(problem=rpa_problems())
 def ragged_paged_attention_kernel_matches_float64_oracle(problem):
-    args, options = problem
-    check(rpa.kernel, args, options)
+    args, options, gemm_min_tokens = problem
+    configs = None if gemm_min_tokens is None else with_fields(args, gemm_min_tokens=gemm_min_tokens)
+    check(rpa.kernel, args, options, configs=configs)
 
 
 PROPERTIES = [ragged_paged_attention_kernel_matches_float64_oracle]

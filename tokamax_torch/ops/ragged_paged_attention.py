@@ -40,6 +40,7 @@ class _RaggedPagedAttention(_op.Op):
     summary = ("Ragged paged attention (upstream batched_rpa): decode, prefill and mixed sequences against a "
                "paged KV cache `[pages, page_size, 2*Hkv, D]`, GQA, causal, sliding window, soft cap; the new "
                "tokens written into the cache first (donated and returned).")
+    cli_shape = "T,S,PAGES_PER_SEQ,PAGE_SIZE,HQ,HKV,D"
 
     def __call__(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_cache: torch.Tensor,
                  kv_lens: torch.Tensor, page_indices: torch.Tensor, cu_q_lens: torch.Tensor,
@@ -76,6 +77,20 @@ class _RaggedPagedAttention(_op.Op):
     def cache_key_arguments(self, bound) -> dict:
         """The sizes decide the fastest config; the options and the index values do not enter the key."""
         return {name: bound[name] for name in ("queries", "keys", "kv_cache", "kv_lens", "page_indices")}
+
+    def cli_call(self, shape: str, dtype: torch.dtype, options):
+        """A batch of S sequences sharing T tokens, each owning PAGES_PER_SEQ pages (meta tensors;
+        the autotuner fills the indices with a valid mixed batch, real_argument)."""
+        try:
+            t, s, pages_per_seq, page_size, hq, hkv, d = (int(v) for v in shape.split(","))
+        except ValueError:
+            raise ValueError(f"--shape must be {self.cli_shape} (seven ints), got {shape!r}") from None
+        meta = dict(device="meta", dtype=dtype)
+        index = dict(device="meta", dtype=torch.int32)
+        return self.bind(torch.empty(t, hq, d, **meta), torch.empty(t, hkv, d, **meta), torch.empty(t, hkv, d, **meta),
+                         torch.empty(s * pages_per_seq, page_size, 2 * hkv, d, **meta), torch.empty(s, **index),
+                         torch.empty(s * pages_per_seq, **index), torch.empty(s + 1, **index),
+                         torch.empty(3, **index))
 
     def real_argument(self, bound, name: str, value, generator: torch.Generator):
         """Meta index tensors become a valid batch for the autotuner: every sequence active (mixed),

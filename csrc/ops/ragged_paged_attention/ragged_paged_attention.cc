@@ -23,6 +23,7 @@
 #include "csrc/core/runtime/scratch_arena.h"
 #include "csrc/core/softmax/softmax_kernels.h"
 #include "csrc/ops/dot_product_attention/attention_row_products.h"
+#include "csrc/ops/dot_product_attention/dot_product_attention.h"
 
 namespace tokamax {
 namespace {
@@ -160,18 +161,27 @@ void RunTask(const RaggedPagedAttentionParams& p, const RaggedPagedAttentionConf
   }
   const int64_t ld = p.kv_cache.strides[1];
   const DType kv_dtype = p.kv_cache.dtype;
-  // for_runs(pass(h = kv head, key rows, keys, st row offset, next rows)) over the tile [s0, s1).
-  auto for_runs = [&](int64_t s0, int64_t s1, int64_t which, auto&& run) {
+  // The row of key position `pos` of merged head `merged` (2h: K of kv head h, 2h + 1: its V).
+  auto row_at = [&](int64_t pos, int64_t merged) -> const void* {
+    return p.kv_cache.At(p.page_indices[task.seq * pages_per_seq + pos / page_size], pos % page_size, merged, 0);
+  };
+  // for_runs(s0, s1, which, then, then_which, run): run(g, rows, keys, st row, next) for every run
+  // of kRunKeys keys of the tile [s0, s1) (runs stop at page ends), every kv head of a run before
+  // the next run. `next` is the rows the same head reads next: its next run, wherever its page
+  // is (pages are scattered, so the hardware prefetchers cannot guess it), after the tile's last
+  // run the rows at position `then` of merged head 2g + then_which (V after K, the next tile's K
+  // after V; none when then < 0). The row products ask for it into L2 as they go.
+  auto for_runs = [&](int64_t s0, int64_t s1, int64_t which, int64_t then, int64_t then_which, auto&& run) {
     for (int64_t pos = s0; pos < s1;) {
       const int64_t page = pos / page_size, offset = pos % page_size;
       const int64_t n = std::min(s1 - pos, page_size - offset);
       const int64_t physical = p.page_indices[task.seq * pages_per_seq + page];
       for (int64_t j0 = 0; j0 < n; j0 += kRunKeys) {
-        const int64_t keys = std::min(kRunKeys, n - j0);
+        const int64_t keys = std::min(kRunKeys, n - j0), following = pos + j0 + keys;
         for (int64_t g = task.g0; g < task.g1; ++g) {
           const void* rows_ptr = p.kv_cache.At(physical, offset + j0, 2 * g + which, 0);
-          const void* next = j0 + 2 * kRunKeys <= n ? p.kv_cache.At(physical, offset + j0 + kRunKeys, 2 * g + which, 0)
-                                                   : nullptr;
+          const void* next = following < s1 ? row_at(following, 2 * g + which)
+                                            : then >= 0 ? row_at(then, 2 * g + then_which) : nullptr;
           run(g, rows_ptr, keys, pos - s0 + j0, next);
         }
       }
@@ -180,7 +190,7 @@ void RunTask(const RaggedPagedAttentionParams& p, const RaggedPagedAttentionConf
   };
   for (int64_t t0 = k_lo / block * block; t0 < k_hi; t0 += block) {
     const int64_t s0 = std::max(t0, k_lo), s1 = std::min(t0 + block, k_hi), keys = s1 - s0;
-    for_runs(s0, s1, 0, [&](int64_t g, const void* key, int64_t n, int64_t j, const void* next) {
+    for_runs(s0, s1, 0, s0, 1, [&](int64_t g, const void* key, int64_t n, int64_t j, const void* next) {
       const int64_t base = (g - task.g0) * per_head;
       for (int64_t c0 = 0; c0 < per_head; c0 += kRows) {
         const int64_t count = std::min(kRows, per_head - c0);
@@ -219,7 +229,7 @@ void RunTask(const RaggedPagedAttentionParams& p, const RaggedPagedAttentionConf
     UpdateRunningMax(*k.softmax, st, keys, cols, cols, max, sum, alpha, sub, tile_max);
     k.softmax->exp_columns(st, keys, cols, cols, sub, sum);
     k.softmax->scale_rows(acc, d, rows, d, alpha);
-    for_runs(s0, s1, 1, [&](int64_t g, const void* value, int64_t n, int64_t j, const void* next) {
+    for_runs(s0, s1, 1, s1 < k_hi ? s1 : -1, 0, [&](int64_t g, const void* value, int64_t n, int64_t j, const void* next) {
       const int64_t base = (g - task.g0) * per_head;
       for (int64_t c0 = 0; c0 < per_head; c0 += kRows) {
         const int64_t count = std::min(kRows, per_head - c0);
@@ -301,6 +311,65 @@ void ZeroToken(const RaggedPagedAttentionParams& p, int64_t t) {
     });
     if (p.lse.data != nullptr) *static_cast<float*>(p.lse.At(t, n)) = kNegInf;
   }
+}
+
+// Whether sequence `q` runs on dot_product_attention's GEMM kernel: long enough, and a call that
+// kernel expresses (one dtype throughout, no mask value).
+bool UsesGemm(const RaggedPagedAttentionParams& p, const RaggedPagedAttentionConfig& config, const Seq& q) {
+  return config.gemm_min_tokens > 0 && q.q_len >= config.gemm_min_tokens && !p.has_mask_value &&
+         p.queries.dtype == p.kv_cache.dtype && p.out.dtype == p.queries.dtype && p.queries.sizes[2] > 0;
+}
+
+// A prefill sequence: its pages gathered into contiguous K and V ([kv_len, Hkv, D], one copy,
+// small against the q_len x kv_len products), then dot_product_attention's forward with the
+// causal mask bottom-right aligned (window_right = kv_len - q_len) and the sliding window as its
+// left window, out and lse written in place through strided views.
+Status RunGemmSequence(const RaggedPagedAttentionParams& p, int64_t s, const Seq& q) {
+  const int64_t q_heads = p.queries.sizes[1], kv_heads = p.keys.sizes[1], d = p.queries.sizes[2];
+  const int64_t page_size = p.kv_cache.sizes[1], pages_per_seq = p.page_indices.count / p.kv_lens.count;
+  const int64_t element = DTypeSize(p.kv_cache.dtype), row = kv_heads * d;
+  LargeBuffer<char> k_rows(q.kv_len * row * element, LargeBuffer<char>::kUninitialized);
+  LargeBuffer<char> v_rows(q.kv_len * row * element, LargeBuffer<char>::kUninitialized);
+  ParallelFor(0, q.kv_len, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t page = p.page_indices[s * pages_per_seq + j / page_size];
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        std::memcpy(k_rows.data() + (j * row + h * d) * element, p.kv_cache.At(page, j % page_size, 2 * h, 0),
+                    static_cast<size_t>(d * element));
+        std::memcpy(v_rows.data() + (j * row + h * d) * element, p.kv_cache.At(page, j % page_size, 2 * h + 1, 0),
+                    static_cast<size_t>(d * element));
+      }
+    }
+  });
+  DotProductAttentionParams a;
+  const int64_t* qs = p.queries.strides;
+  a.q = {p.queries.At(q.q0, 0, 0), p.queries.dtype, {1, q.q_len, q_heads, d}, {0, qs[0], qs[1], qs[2]}};
+  a.k = {k_rows.data(), p.kv_cache.dtype, {1, q.kv_len, kv_heads, d}, {0, row, d, 1}};
+  a.v = {v_rows.data(), p.kv_cache.dtype, {1, q.kv_len, kv_heads, d}, {0, row, d, 1}};
+  const int64_t* os = p.out.strides;
+  a.out = {p.out.At(q.q0, 0, 0), p.out.dtype, {1, q.q_len, q_heads, d}, {0, os[0], os[1], os[2]}};
+  a.scale = p.sm_scale;
+  a.logits_soft_cap = p.soft_cap;
+  const int64_t offset = q.kv_len - q.q_len;  // query i sits at position offset + i
+  if (p.causal) a.masks.window_right = offset;
+  if (p.sliding_window > 0) a.masks.window_left = p.sliding_window - 1 - offset;
+  if (p.lse.data != nullptr) {
+    a.lse = p.lse.At(q.q0, 0);
+    a.lse_strides[0] = 0;
+    a.lse_strides[1] = p.lse.strides[1];
+    a.lse_strides[2] = p.lse.strides[0];
+  }
+  DotProductAttentionShape shape;
+  shape.batch = 1;
+  shape.q_len = q.q_len;
+  shape.kv_len = q.kv_len;
+  shape.q_heads = q_heads;
+  shape.kv_heads = kv_heads;
+  shape.head_dim = shape.value_dim = d;
+  shape.block_sparse = p.causal || p.sliding_window > 0;
+  const DotProductAttentionConfig config =
+      DotProductAttentionHeuristicConfig(shape, p.queries.dtype, GetCpuInfo(), DotProductAttentionProduct::kForward);
+  return DotProductAttention(a, config);
 }
 
 }  // namespace
@@ -411,7 +480,7 @@ Status RaggedPagedAttention(const RaggedPagedAttentionParams& p, const RaggedPag
   int64_t records = 0;
   for (int64_t s = 0; s < active; ++s) {
     const Seq q = SeqOf(p, s);
-    if (q.q_len == 0 || kv_heads == 0) continue;
+    if (q.q_len == 0 || kv_heads == 0 || UsesGemm(p, config, q)) continue;
     const int64_t tile = std::min(q.q_len, config.q_tile_tokens);
     const int64_t heads = std::clamp<int64_t>(config.task_rows / std::max<int64_t>(tile * group, 1), 1, kv_heads);
     // Keys the sequence's rows see, for the split.
@@ -453,6 +522,13 @@ Status RaggedPagedAttention(const RaggedPagedAttentionParams& p, const RaggedPag
       RunTask(p, config, k, task, split_seq, partials.data());
     }
   });
+  // The long sequences, one GEMM call each (each spreads over the threads itself).
+  for (int64_t s = 0; s < active; ++s) {
+    const Seq q = SeqOf(p, s);
+    if (q.q_len == 0 || kv_heads == 0 || !UsesGemm(p, config, q)) continue;
+    status = RunGemmSequence(p, s, q);
+    if (!status.ok()) return status;
+  }
   // The split rows, each merged in split order; then the padding tokens.
   const int64_t num_split = static_cast<int64_t>(split_seqs.size());
   ParallelFor(0, num_split, 1, [&](int64_t begin, int64_t end) {

@@ -28,13 +28,17 @@
 namespace tokamax {
 
 // block_kv and split_kv change the bits (where the online softmax rescales; where a sequence's
-// keys are cut into partial results); q_tile_tokens and task_rows only which rows share a task.
+// keys are cut into partial results), gemm_min_tokens too (which kernel a sequence runs);
+// q_tile_tokens and task_rows only which rows share a task.
 #define TOKAMAX_RAGGED_PAGED_ATTENTION_CONFIG_FIELDS(X)                                                  \
   X(block_kv, 64, 8, 2048, 8, "keys per online-softmax tile, at multiples of block_kv positions")       \
   X(q_tile_tokens, 32, 1, 4096, 1, "query tokens of one sequence per task")                            \
   X(task_rows, 128, 1, 8192, 1, "query rows (tokens x query heads) per task at most: kv heads per task") \
   X(split_kv, 2048, 0, 1 << 24, 8,                                                                      \
-    "keys per split of a sequence of one query tile (0: no split), merged in a fixed order")
+    "keys per split of a sequence of one query tile (0: no split), merged in a fixed order")             \
+  X(gemm_min_tokens, 32, 0, 1 << 30, 1,                                                                 \
+    "sequences of at least this many query tokens (0: none) run dot_product_attention's GEMM kernel "    \
+    "on their gathered pages")
 #define TOKAMAX_RAGGED_PAGED_ATTENTION_PRODUCTS(X) X(kForward, "forward")
 
 struct RaggedPagedAttentionConfig {

@@ -42,6 +42,11 @@ RaggedPagedAttentionConfig RaggedPagedAttentionHeuristicConfig(const RaggedPaged
     const int64_t splits = CeilDiv(kTargetTasks, seqs);
     config.split_kv = std::max(RoundUp(CeilDiv(max_keys, splits), config.block_kv), 4 * config.block_kv);
   }
+  // From 32 query tokens (128 rows at group 4) the GEMM's packed tiles (AMX for bf16) beat the row
+  // products, whose fp32 multiply-adds run ~185 GFLOP/s on 2 cores against the GEMM's ~250 fp32
+  // and ~600 bf16 (benchmarks/ragged_paged_attention.py, docs/benchmarks.md); the gather of the
+  // sequence's pages costs one read of its cache.
+  config.gemm_min_tokens = 32;
   config.split_kv = std::min<int64_t>(config.split_kv, ConfigFieldNamed<RaggedPagedAttentionConfig>("split_kv").max /
                                                            config.block_kv * config.block_kv);
   return config;
@@ -56,12 +61,15 @@ std::vector<RaggedPagedAttentionConfig> RaggedPagedAttentionConfigSpace(const Ra
   for (int64_t block_kv : {32, 128, 256}) {
     for (int64_t split_kv : {int64_t{0}, heuristic.split_kv, int64_t{512}}) {
       for (int64_t task_rows : {int64_t{32}, heuristic.task_rows}) {
-        RaggedPagedAttentionConfig config = heuristic;
-        config.block_kv = block_kv;
-        config.split_kv = split_kv;
-        config.task_rows = task_rows;
-        if (!config.Validate().ok() || !seen.insert(config.ToVector()).second) continue;
-        space.push_back(config);
+        for (int64_t gemm_min_tokens : {heuristic.gemm_min_tokens, int64_t{0}}) {
+          RaggedPagedAttentionConfig config = heuristic;
+          config.block_kv = block_kv;
+          config.split_kv = split_kv;
+          config.task_rows = task_rows;
+          config.gemm_min_tokens = gemm_min_tokens;
+          if (!config.Validate().ok() || !seen.insert(config.ToVector()).second) continue;
+          space.push_back(config);
+        }
       }
     }
   }
