@@ -60,7 +60,7 @@ class ServeConfig:
     token_budget: int = 128  # tokens per step (decode tokens + prompt chunks)
     page_size: int = 16
     total_pages: int = 224  # fewer than all requests need together: pages are reused
-    timed_runs: int = 2  # each engine serves everything this many times after warm-up; the fastest counts
+    timed_runs: int = 2  # everything is served this many times (engines: after warm-up); the fastest counts
     seed: int = 0
 
 
@@ -455,9 +455,12 @@ def run(model_cfg: ModelConfig = ModelConfig(), cfg: ServeConfig = ServeConfig()
     results = {}
     counters = torch._dynamo.utils.counters["stats"]
     with torch.inference_mode():
-        t0 = time.perf_counter()
-        expected = {r.rid: plain_generate(model, r.prompt, r.max_new) for r in requests}
-        results["plain (one request at a time, SDPA)"] = dict(seconds=time.perf_counter() - t0)
+        seconds = float("inf")
+        for _ in range(cfg.timed_runs):
+            t0 = time.perf_counter()
+            expected = {r.rid: plain_generate(model, r.prompt, r.max_new) for r in requests}
+            seconds = min(seconds, time.perf_counter() - t0)
+        results["plain (one request at a time, SDPA)"] = dict(seconds=seconds)
         for engine_cls in (PagedEngine, GatherEngine):
             engine = engine_cls(model, cfg)
             graphs = counters["unique_graphs"]
@@ -489,7 +492,7 @@ def run(model_cfg: ModelConfig = ModelConfig(), cfg: ServeConfig = ServeConfig()
         r["generated_per_s"] = new_tokens / r["seconds"]
         r["tokens_per_s"] = (prompt_tokens + new_tokens) / r["seconds"]
         log(f"{name:<38}{r['seconds']:>9.2f}{r['generated_per_s']:>17.1f}{r['tokens_per_s']:>11.1f}")
-    log(f"(all tok/s: prompt and generated tokens per second; the engines' fastest of {cfg.timed_runs} runs, "
+    log(f"(all tok/s: prompt and generated tokens per second; the fastest of {cfg.timed_runs} runs, "
         f"compilation excluded; the whole demo took {time.perf_counter() - start:.0f} s)")
     return results
 
