@@ -242,8 +242,9 @@ class Scheduler:
                 seq_ids.append(i)
                 q_pos.append(j)
             q_lens.append(len(new))
-        n = len(tokens)
-        pad = -n % 8
+        # Padding to a multiple of 8 keeps the token count >= 2: torch.compile specializes sizes 0
+        # and 1, so a lone decode token would compile a second graph.
+        pad = -len(tokens) % 8
         spare = c.total_pages * ps  # the first row of the gather baseline's spare page
         tokens += [0] * pad
         positions += [0] * pad
@@ -346,7 +347,8 @@ class GatherEngine:
         length = n_pages * ps
         table = page_indices.view(s, -1)[:, :n_pages].reshape(-1)
         q_lens = (cu_q_lens[1:] - cu_q_lens[:-1]).long()
-        # Query i of sequence s sits at cache position kv_len - q_len + i; padding rows see key 0 only.
+        # Query i of sequence s sits at cache position kv_len - q_len + i. Key 0 is always let
+        # through so that the empty sequence slots get no all-masked row (NaN); their rows are dropped.
         query_at = (kv_lens.long() - q_lens)[:, None] + torch.arange(q_len_max)[None, :]
         key = torch.arange(length)
         mask = (key[None, None, :] <= query_at[:, :, None]) & (key[None, None, :] < kv_lens[:, None, None])
@@ -485,8 +487,8 @@ def run(model_cfg: ModelConfig = ModelConfig(), cfg: ServeConfig = ServeConfig()
             log(f"{engine.name}: warm-up compiled {compiled} graph(s) in {warmup_s:.1f} s, then {stats['steps']} steps "
                 f"with no recompilation ({stats['mixed_kinds']} mixing decode/prefill/chunked-prefill sequences, "
                 f"{stats['decode_only']} decode only); {stats['pages_taken']} pages taken from the free list of "
-                f"{cfg.total_pages}; {stats['joined_late']} requests joined after others finished; greedy tokens of all "
-                f"{len(served)} requests equal the plain model's")
+                f"{cfg.total_pages}; {stats['joined_late']} requests joined after others finished; greedy tokens of "
+                f"all {len(served)} requests equal the plain model's")
     log(f"\n{'':<38}{'seconds':>9}{'generated tok/s':>17}{'all tok/s':>11}")
     for name, r in results.items():
         r["generated_per_s"] = new_tokens / r["seconds"]
