@@ -8,6 +8,10 @@ import pathlib
 import sys
 
 import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+from contract import copies_in_code
 
 DEMO = pathlib.Path(__file__).resolve().parent.parent / "examples" / "serve_demo.py"
 
@@ -70,3 +74,21 @@ def test_scheduler_batches_follow_the_op_layout(demo):
         sched.update(b, b.tokens[:serve.max_seqs] % model.vocab)
     assert sorted(sched.free_pages) == list(range(serve.total_pages))
     assert all(r.done for r in requests)
+
+
+def test_the_compiled_step_writes_the_donated_caches_in_place(demo):
+    """The step of a whole model (every layer's cache donated to the op) as Inductor compiles it:
+    no copy or clone, no buffer of a cache's size; the caches returned are the ones passed."""
+    model_cfg, serve = small_configs(demo)
+    model = demo.TinyLM(model_cfg).eval()
+    engine = demo.PagedEngine(model, serve)
+    batch = demo.Scheduler(demo.make_requests(serve, model_cfg.vocab), serve, model_cfg).schedule()
+    ptrs = [c.data_ptr() for c in engine.caches]
+    with torch.inference_mode():
+        (_, caches), codes = run_and_get_code(engine.step, batch.tokens, batch.positions, engine.caches,
+                                              batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.distribution)
+    assert [c.data_ptr() for c in caches] == ptrs
+    assert any(c.abs().sum() > 0 for c in engine.caches)  # the prompt's keys and values were written
+    code = "\n".join(codes)
+    assert code.count("ragged_paged_attention") >= model_cfg.layers  # the code searched is the step's
+    assert not copies_in_code(codes, engine.caches), copies_in_code(codes, engine.caches)
