@@ -317,7 +317,8 @@ class PagedEngine:
         next_tokens, caches = self.step(b.tokens, b.positions, self.caches, b.kv_lens, b.page_indices, b.cu_q_lens,
                                         b.distribution)
         # Donation: the op handed back the very storage it was given.
-        assert all(new.data_ptr() == old.data_ptr() for new, old in zip(caches, self.caches))
+        if any(new.data_ptr() != old.data_ptr() for new, old in zip(caches, self.caches)):
+            raise SystemExit("ragged_paged_attention returned a KV cache in new storage: it was not donated")
         self.caches = caches
         return next_tokens
 
