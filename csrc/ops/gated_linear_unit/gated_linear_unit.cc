@@ -11,9 +11,29 @@
 #include "csrc/core/base/int_math.h"
 #include "csrc/core/runtime/isa.h"
 #include "csrc/core/runtime/parallel.h"
+#include "csrc/core/vec/tiers.h"
 
 namespace tokamax {
+
+TOKAMAX_DECLARE_IN_TIERS(GluRowGradsFn GluRowGrads(DType dtype, Activation activation);)
+
 namespace {
+
+// The tier's row of the elementwise backward; the avx512bf16 and amx tiers run avx512's.
+GluRowGradsFn RowGradsOf(Isa isa, DType dtype, Activation activation) {
+  switch (isa) {
+#ifdef TOKAMAX_HAVE_AVX512
+    case Isa::kAvx512:
+    case Isa::kAvx512Bf16:
+    case Isa::kAmx: return tier_avx512::GluRowGrads(dtype, activation);
+#endif
+#ifdef TOKAMAX_HAVE_AVX2
+    case Isa::kAvx2: return tier_avx2::GluRowGrads(dtype, activation);
+#endif
+    default: break;
+  }
+  return tier_scalar::GluRowGrads(dtype, activation);
+}
 
 // Packing B pays once a task reuses each of its elements for about this many rows; fewer rows
 // read it in place (ragged_dot's measurement, the same driver).
@@ -74,14 +94,21 @@ inline void StoreWide(void* p, Wide x) {
 
 // dpre(i, n) = dout · up · activation'(gate) and dpre(i, N + n) = dout · activation(gate), in
 // fp32 (double for float64).
+// Rows whose dout, residuals and dpre are contiguous take the tier's vector row (`row`).
 template <typename T>
-void PreActivationGrads(const GatedLinearUnitBackwardParams& p) {
+void PreActivationGrads(const GatedLinearUnitBackwardParams& p, GluRowGradsFn row) {
   using Wide = std::conditional_t<std::is_same_v<T, double>, double, float>;
   const int64_t rows = p.dout.sizes[0], n = p.dout.sizes[1];
   const Activation activation = p.activation;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(n, 1));
+  const bool contiguous = row != nullptr && p.dout.strides[1] == 1 && p.residuals.strides[2] == 1 &&
+                          p.dpre.strides[1] == 1;
   ParallelFor(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
+      if (contiguous) {
+        row(p.dout.At(i, 0), p.residuals.At(i, 0, 0), p.residuals.At(i, 1, 0), p.dpre.At(i, 0), p.dpre.At(i, n), n);
+        continue;
+      }
       for (int64_t j = 0; j < n; ++j) {
         const Wide dy = static_cast<Wide>(LoadWide<T>(p.dout.At(i, j)));
         const Wide g = static_cast<Wide>(LoadWide<T>(p.residuals.At(i, 0, j)));
@@ -138,8 +165,9 @@ Status GatedLinearUnitBackward(const GatedLinearUnitBackwardParams& p, const Gat
   status = ActiveIsa(&isa);
   if (!status.ok()) return status;
   const GemmKernels& kernels = GetGemmKernels(isa);
+  const GluRowGradsFn row = RowGradsOf(isa, p.dout.dtype, p.activation);
   DispatchDType(p.dout.dtype, [&](auto tag) {
-    PreActivationGrads<decltype(tag)>(p);
+    PreActivationGrads<decltype(tag)>(p, row);
     return 0;
   });
   const StridedView<2> dpre = p.dpre.AsConst();

@@ -101,6 +101,11 @@ inline T ActivationDerivative(Activation activation, T x) {
   return T(1);
 }
 
+// One contiguous row of the backward's elementwise pass (dout, gate, up -> dgate, dup), n
+// elements of one dtype; a tier's version for a dtype and activation (null for float64).
+using GluRowGradsFn = void (*)(const void* dout, const void* gate, const void* up, void* dgate, void* dup,
+                               int64_t n);
+
 GatedLinearUnitConfig GatedLinearUnitHeuristicConfig(const GatedLinearUnitShape& call, DType dtype,
                                                      const CpuInfo& cpu, GatedLinearUnitProduct product);
 std::vector<GatedLinearUnitConfig> GatedLinearUnitConfigSpace(const GatedLinearUnitShape& call, DType dtype,
