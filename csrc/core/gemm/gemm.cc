@@ -87,6 +87,20 @@ double Epilogue(const GemmEpilogue& e, double x, int64_t col) {
   return Activate(e.activation, x);
 }
 
+// m(row, col) = x, in m's dtype (the float64 path's optional pre-activation outputs).
+void StoreDouble(const MutableMatrix& m, int64_t row, int64_t col, double x) {
+  const int64_t offset = row * m.row_stride + col * m.col_stride;
+  if (m.dtype == DType::kFloat64) {
+    static_cast<double*>(m.data)[offset] = x;
+    return;
+  }
+  DispatchDType(m.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    StoreFromFloat(static_cast<T*>(m.data) + offset, static_cast<float>(x));
+    return 0;
+  });
+}
+
 // float64 (A, B and C): exact double-precision loops, for gradcheck and oracles.
 void GemmRegionFloat64(const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c, int64_t m0,
                        int64_t m1, int64_t n0, int64_t n1, const GemmEpilogue& epilogue,
@@ -94,15 +108,29 @@ void GemmRegionFloat64(const ConstMatrix& a, const ConstMatrix& b, const Mutable
   const double* a_data = static_cast<const double*>(a.data);
   const double* b_data = static_cast<const double*>(b.data);
   double* c_data = static_cast<double*>(c.data);
+  const GemmGate* gate = epilogue.gate;
+  const double* up_data = gate != nullptr ? static_cast<const double*>(gate->up.data) : nullptr;
   for (int64_t i = m0; i < m1; ++i) {
     const int64_t a_row = prologue.a_row_map != nullptr ? prologue.a_row_map[i] : i;
     const int64_t c_row = epilogue.row_map != nullptr ? epilogue.row_map[i] : i;
     for (int64_t j = n0; j < n1; ++j) {
-      double sum = 0.0;
+      double sum = 0.0, up_sum = 0.0;
       for (int64_t p = 0; p < a.cols; ++p) {
-        sum += a_data[a_row * a.row_stride + p * a.col_stride] * b_data[p * b.row_stride + j * b.col_stride];
+        const double x = a_data[a_row * a.row_stride + p * a.col_stride];
+        sum += x * b_data[p * b.row_stride + j * b.col_stride];
+        if (gate != nullptr) up_sum += x * up_data[p * gate->up.row_stride + j * gate->up.col_stride];
       }
-      c_data[c_row * c.row_stride + j * c.col_stride] = Epilogue(epilogue, sum, j);
+      double* dst = c_data + c_row * c.row_stride + j * c.col_stride;
+      if (gate == nullptr) {
+        *dst = Epilogue(epilogue, sum, j);
+        continue;
+      }
+      double gate_x = epilogue.scale * sum, up_x = epilogue.scale * up_sum;
+      if (epilogue.bias != nullptr) gate_x += epilogue.bias[j];
+      if (gate->up_bias != nullptr) up_x += gate->up_bias[j];
+      if (gate->gate_out.data != nullptr) StoreDouble(gate->gate_out, c_row, j, gate_x);
+      if (gate->up_out.data != nullptr) StoreDouble(gate->up_out, c_row, j, up_x);
+      *dst = Activate(epilogue.activation, gate_x) * up_x;
     }
     if (epilogue.row_max != nullptr) {
       float* max = epilogue.row_max + i;
@@ -118,6 +146,24 @@ void GemmRegionFloat64(const ConstMatrix& a, const ConstMatrix& b, const Mutable
       *row_sum = static_cast<float>(total);
     }
   }
+}
+
+// The packed B columns of one block of a gated product (GemmGate): panel q of `nr` columns is
+// columns jc + (q / 2) * nr.. of B (q even, the gate) or of up (q odd), `cols` (<= nr) of them,
+// the last pair short where the block's out_cols end. A gated block of out_cols results packs
+// GatedPanels(out_cols, nr) panels.
+struct GatedPanel {
+  const ConstMatrix* b;
+  int64_t col;
+  int64_t cols;
+};
+
+int64_t GatedPanels(int64_t out_cols, int64_t nr) { return 2 * CeilDiv(out_cols, nr); }
+
+GatedPanel GatedPanelOf(const ConstMatrix& b, const GemmGate& gate, int64_t jc, int64_t out_cols, int64_t nr,
+                        int64_t q) {
+  const int64_t first = (q / 2) * nr;
+  return {q % 2 == 0 ? &b : &gate.up, jc + first, std::min(nr, out_cols - first)};
 }
 
 // A(row(row0 + i), k0 + p) for i < rows, p < depth as row-major bf16 [rows rounded up to 16][ld
@@ -186,8 +232,11 @@ void GemmRegionBf16(const GemmKernels& kernels, const ConstMatrix& a, const Cons
   const int64_t rows_padded = RoundUp(rows, kBf16TileRows);
   const int64_t block_m = RoundUp(blocking.block_m, kBf16TileRows);
   const int64_t block_k = RoundUp(blocking.block_k, kBf16TileDepth);
+  const GemmGate* gate = epilogue.gate;
+  const int64_t nr = kernels.nr;  // a gated block's column groups: the store's (GemmKernels::store_c)
   for (int64_t jc = n0; jc < n1; jc += blocking.block_n) {
-    const int64_t cols = std::min(blocking.block_n, n1 - jc);
+    const int64_t out_cols = std::min(blocking.block_n, n1 - jc);
+    const int64_t cols = gate != nullptr ? GatedPanels(out_cols, nr) * nr : out_cols;  // packed columns
     const int64_t cols_padded = RoundUp(cols, kBf16TileRows);
     float* acc = scratch.Get<float>(kAcc, rows_padded * cols_padded);
     if (depth_total == 0) std::memset(acc, 0, sizeof(float) * rows_padded * cols_padded);
@@ -195,7 +244,17 @@ void GemmRegionBf16(const GemmKernels& kernels, const ConstMatrix& a, const Cons
       const int64_t depth = std::min(block_k, depth_total - pc);
       const int64_t padded_depth = RoundUp(depth, kBf16TileDepth);
       uint16_t* b_vnni = scratch.Get<uint16_t>(kBVnni, padded_depth * cols_padded);
-      PackBVnni(b, pc, depth, padded_depth, jc, cols, b_vnni, scratch);
+      if (gate == nullptr) {
+        PackBVnni(b, pc, depth, padded_depth, jc, cols, b_vnni, scratch);
+      } else {
+        for (int64_t q = 0; q < GatedPanels(out_cols, nr); ++q) {
+          const GatedPanel panel = GatedPanelOf(b, *gate, jc, out_cols, nr, q);
+          uint16_t* dst = b_vnni + q * padded_depth * nr;
+          PackBVnni(*panel.b, pc, depth, padded_depth, panel.col, panel.cols, dst, scratch);
+          const int64_t written = RoundUp(panel.cols, kBf16TileRows) * padded_depth;
+          std::fill(dst + written, dst + nr * padded_depth, uint16_t{0});
+        }
+      }
       for (int64_t ic = m0; ic < m1; ic += block_m) {
         const int64_t block_rows = std::min(block_m, m1 - ic);
         const int64_t tile_rows = RoundUp(block_rows, kBf16TileRows);
@@ -205,7 +264,7 @@ void GemmRegionBf16(const GemmKernels& kernels, const ConstMatrix& a, const Cons
                     acc + (ic - m0) * cols_padded, cols_padded, pc > 0, 1.0f);
       }
     }
-    kernels.store_c(acc, cols_padded, rows, cols, c, m0, jc, epilogue);
+    kernels.store_c(acc, cols_padded, rows, out_cols, c, m0, jc, epilogue);
   }
 }
 
@@ -225,11 +284,13 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
   // fp32 micro-kernels. Measured on Zen 4, ragged_dot bf16 forward: groups of 4 rows over
   // 64 MiB of weights 5.4 ms widened in place against 8.8 ms on the engine; groups of 64 rows
   // 15 ms on the engine against 27-31 ms widened.
-  const bool b_read_in_place = !blocking.pack_b && b.col_stride == 1;
+  const GemmGate* gate = epilogue.gate;
+  const bool b_read_in_place = !blocking.pack_b && b.col_stride == 1 && (gate == nullptr || gate->up.col_stride == 1);
   const bool few_rows_in_place = b_read_in_place && m1 - m0 < kBf16TileRows;
   // Once per region: the lease's two mutex round trips are nothing beside the region's tiles.
   ScratchLease scratch;
-  if (kernels.bf16 && a.dtype == DType::kBFloat16 && b.dtype == DType::kBFloat16 && !few_rows_in_place) {
+  if (kernels.bf16 && a.dtype == DType::kBFloat16 && b.dtype == DType::kBFloat16 &&
+      (gate == nullptr || gate->up.dtype == DType::kBFloat16) && !few_rows_in_place) {
     GemmRegionBf16(kernels, a, b, c, m0, m1, n0, n1, blocking, epilogue, prologue, scratch);
     return;
   }
@@ -243,12 +304,15 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
   const int64_t block_m = RoundUp(blocking.block_m, mr);
   const int64_t block_k = blocking.block_k;
   // Reading B in place needs contiguous columns.
-  const bool in_place_b = !blocking.pack_b && b.col_stride == 1;
+  const bool in_place_b = b_read_in_place;
 
   for (int64_t jc = n0; jc < n1; jc += blocking.block_n) {
-    const int64_t cols = std::min(blocking.block_n, n1 - jc);
+    const int64_t out_cols = std::min(blocking.block_n, n1 - jc);
+    // Packed columns: a gated block has its gate's and up's panels interleaved (GatedPanelOf).
+    const int64_t cols = gate != nullptr ? GatedPanels(out_cols, nr) * nr : out_cols;
     const int64_t cols_padded = RoundUp(cols, nr);
-    const int64_t full_panels = cols / nr;
+    // Panels B has whole in place; a gated block's short last pair is packed.
+    const int64_t full_panels = gate != nullptr ? 2 * (out_cols / nr) : cols / nr;
     float* acc = scratch.Get<float>(kAcc, rows_padded * cols_padded);
     if (depth_total == 0) std::memset(acc, 0, sizeof(float) * rows_padded * cols_padded);
 
@@ -259,11 +323,26 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
       float* b_tail = nullptr;
       if (!in_place_b) {
         b_pack = scratch.Get<float>(kBPack, depth * cols_padded);
-        kernels.pack_b(b, pc, depth, jc, cols, b_pack);
+        if (gate == nullptr) {
+          kernels.pack_b(b, pc, depth, jc, cols, b_pack);
+        } else {
+          for (int64_t q = 0; q < GatedPanels(out_cols, nr); ++q) {
+            const GatedPanel panel = GatedPanelOf(b, *gate, jc, out_cols, nr, q);
+            kernels.pack_b(*panel.b, pc, depth, panel.col, panel.cols, b_pack + q * depth * nr);
+          }
+        }
       } else if (cols > full_panels * nr) {
-        // The last, partial panel is packed so the micro-kernel never reads past B's columns.
-        b_tail = scratch.Get<float>(kBTail, depth * nr);
-        kernels.pack_b(b, pc, depth, jc + full_panels * nr, cols - full_panels * nr, b_tail);
+        // The last, partial panel is packed so the micro-kernel never reads past B's columns
+        // (a gated block: the last pair, gate then up).
+        b_tail = scratch.Get<float>(kBTail, (gate != nullptr ? 2 : 1) * depth * nr);
+        if (gate == nullptr) {
+          kernels.pack_b(b, pc, depth, jc + full_panels * nr, cols - full_panels * nr, b_tail);
+        } else {
+          for (int64_t q = full_panels; q < full_panels + 2; ++q) {
+            const GatedPanel panel = GatedPanelOf(b, *gate, jc, out_cols, nr, q);
+            kernels.pack_b(*panel.b, pc, depth, panel.col, panel.cols, b_tail + (q - full_panels) * depth * nr);
+          }
+        }
       }
 
       for (int64_t ic = m0; ic < m1; ic += block_m) {
@@ -280,16 +359,20 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
             if (!in_place_b) {
               kernels.micro_f32(depth, a_panel, mr, b_pack + panel * depth * nr, nr, c_tile,
                                 cols_padded, accumulate);
-            } else if (panel < full_panels) {
+            } else if (panel < full_panels && gate == nullptr) {
               MicroInPlace(kernels, b, depth, a_panel, pc, jc + jr, c_tile, cols_padded, accumulate);
+            } else if (panel < full_panels) {
+              const GatedPanel source = GatedPanelOf(b, *gate, jc, out_cols, nr, panel);
+              MicroInPlace(kernels, *source.b, depth, a_panel, pc, source.col, c_tile, cols_padded, accumulate);
             } else {
-              kernels.micro_f32(depth, a_panel, mr, b_tail, nr, c_tile, cols_padded, accumulate);
+              kernels.micro_f32(depth, a_panel, mr, b_tail + (panel - full_panels) * depth * nr, nr, c_tile,
+                                cols_padded, accumulate);
             }
           }
         }
       }
     }
-    kernels.store_c(acc, cols_padded, rows, cols, c, m0, jc, epilogue);
+    kernels.store_c(acc, cols_padded, rows, out_cols, c, m0, jc, epilogue);
   }
 }
 

@@ -49,6 +49,27 @@ enum class Activation {
   kRelu,      // max(x, 0)
   kSilu,      // x · sigmoid(x)
   kGeluTanh,  // 0.5 x (1 + tanh(sqrt(2/π) (x + 0.044715 x³)))
+  kGeluErf,   // 0.5 x (1 + erf(x / sqrt(2))) (exact GELU)
+  kSigmoid,   // 1 / (1 + exp(-x))
+};
+
+// The gated product (a gated linear unit) a GemmEpilogue turns GemmRegion into: B is the gate's
+// weights and `up` a second K x N matrix multiplied by the same packed A, and
+//   C[row(i)][j] = activation(scale · (A·B)[i][j] + bias[j]) · (scale · (A·up)[i][j] + up_bias[j])
+// with the reductions and the scatter of GemmEpilogue applied to that result. The two products
+// never exist as a [M, 2N] matrix: B's and up's columns are packed interleaved, GemmKernels::nr
+// of each at a time, so one micro-kernel pass yields both, and store_c combines each pair of
+// column groups. Optionally the pre-activations x_gate = scale·(A·B) + bias and x_up (what a
+// backward needs) are written too, at the rows and columns of C (row_map applies), in their
+// matrices' dtypes. Each result's sums are those of the plain product: the bits of (A·B)[i][j]
+// and (A·up)[i][j] are GemmRegion's on B and on up alone. The activation runs vectorized with
+// the vector layer's exp (a few ulp from std::exp), so a gated kSilu differs from a plain one in
+// the last bits.
+struct GemmGate {
+  ConstMatrix up;                    // K x N, any strides, B's dtype (float64: all of A, B, up, C)
+  const float* up_bias = nullptr;    // [C.cols], fp32; null: none
+  MutableMatrix gate_out;            // M x N pre-activations of the gate; data null: not written
+  MutableMatrix up_out;              // M x N pre-activations of up; data null: not written
 };
 
 // What GemmRegion does to each fp32 result r[i][j] = (A·B)[i][j] on its way to C, in this order:
@@ -69,6 +90,7 @@ struct GemmEpilogue {
   const int64_t* row_map = nullptr;  // [A.rows] distinct rows of C; null: row i
   float* row_max = nullptr;          // [A.rows] with row_sum (both or neither); null: no reductions
   float* row_sum = nullptr;
+  const GemmGate* gate = nullptr;    // non-null: the gated product (GemmGate); bias is the gate's
 };
 
 // How GemmRegion reads A: result row i is row a_row_map[i] of the `a` it is given (a gather),
@@ -85,6 +107,8 @@ struct GemmBlocking {
   int64_t block_k = 256;  // depth of one packed slice of K
   int64_t block_n = 512;  // columns of B packed at once (multiple of kGemmNr)
   bool pack_b = true;     // false: read B in place when its columns are contiguous
+  // A gated product (GemmGate) packs 2 * RoundUp(block_n, GemmKernels::nr) columns of B and up
+  // per block_n columns of C.
 };
 
 // The per-ISA routines the driver is built from. Panels are fp32, zero-padded to full tiles.
@@ -108,7 +132,9 @@ struct GemmKernels {
   void (*micro_f16)(int64_t depth, const float* a, int64_t lda, const uint16_t* b, int64_t ldb,
                     float* c, int64_t ldc, bool accumulate);
   // C(row(row0 + i), col0 + j) = x in C's dtype for x = acc[i * ld + j] through `epilogue`
-  // (GemmEpilogue: a default one stores acc as it is); acc is rewritten in place.
+  // (GemmEpilogue: a default one stores acc as it is); acc is rewritten in place. With
+  // epilogue.gate, acc holds nr-wide column groups of the gate and up alternately: column
+  // col0 + g * nr + t of C combines acc[i * ld + 2 * g * nr + t] and acc[i * ld + (2 * g + 1) * nr + t].
   void (*store_c)(float* acc, int64_t ld, int64_t rows, int64_t cols, const MutableMatrix& c, int64_t row0,
                   int64_t col0, const GemmEpilogue& epilogue);
   // The avx512bf16 and amx tiers: bf16 x bf16 products run on the tier's bf16 product engine
@@ -121,7 +147,8 @@ const GemmKernels& GetGemmKernels(Isa isa);
 // Writes C[m0:m1, n0:n1] = A[m0:m1, :] · B[:, n0:n1] (A is M x K, B is K x N, C is M x N);
 // K == 0 writes zeros. Every result goes through `epilogue` (GemmEpilogue; the default stores
 // the products as they are) on its way to C, and A's rows are read through `prologue`'s gather
-// (GemmPrologue). With a `bf16` engine and bf16 A and B
+// (GemmPrologue). With epilogue.gate the product is gated (GemmGate): B and gate->up share
+// A's packed panels, and C gets their combination. With a `bf16` engine and bf16 A and B
 // (unless B would be read in place for fewer rows than one 16-row tile), A and B are copied as
 // bf16 (B in VNNI panels) and multiplied by the engine, in the same block_k slices. Runs on the
 // calling thread with thread-local scratch. float64 operands (all three) take a plain
@@ -140,6 +167,8 @@ inline T Activate(Activation activation, T x) {
     case Activation::kSilu: return x / (T(1) + std::exp(-x));
     case Activation::kGeluTanh:
       return T(0.5) * x * (T(1) + std::tanh(T(0.7978845608028654) * (x + T(0.044715) * x * x * x)));
+    case Activation::kGeluErf: return T(0.5) * x * (T(1) + std::erf(x * T(0.7071067811865476)));
+    case Activation::kSigmoid: return T(1) / (T(1) + std::exp(-x));
   }
   return x;
 }

@@ -24,6 +24,8 @@ const char* ActivationName(Activation activation) {
     case Activation::kRelu: return "relu";
     case Activation::kSilu: return "silu";
     case Activation::kGeluTanh: return "gelu_tanh";
+    case Activation::kGeluErf: return "gelu_erf";
+    case Activation::kSigmoid: return "sigmoid";
   }
   return "?";
 }
@@ -81,7 +83,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kAmx),
                        ::testing::Values(DType::kFloat32, DType::kBFloat16),
                        ::testing::Values(Activation::kNone, Activation::kRelu, Activation::kSilu,
-                                         Activation::kGeluTanh)),
+                                         Activation::kGeluTanh, Activation::kGeluErf, Activation::kSigmoid)),
     [](const auto& info) {
       return std::string(IsaName(std::get<0>(info.param))) + "_" + DTypeName(std::get<1>(info.param)) + "_" +
              ActivationName(std::get<2>(info.param));
