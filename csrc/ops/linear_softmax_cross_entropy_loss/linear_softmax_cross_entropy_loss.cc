@@ -48,8 +48,9 @@ static_assert(ConfigFieldNamed<LinearCrossEntropyConfig>("row_block").multiple_o
 // blocks amortise packing A.
 constexpr int64_t kBlockM = 192;
 constexpr int64_t kBlockN = 512;
-// Rows of dW per task of the backward's phase B (whole GEMM row blocks; no effect on the bits).
-constexpr int64_t kHiddenChunk = 192;
+// Rows of dW per task of the backward's phase B: one GEMM column block, so each task packs the strip
+// once (no effect on the bits).
+constexpr int64_t kHiddenChunk = 512;
 
 enum Slot : int { kTileSlot, kStatsSlot, kRowGradSlot };
 

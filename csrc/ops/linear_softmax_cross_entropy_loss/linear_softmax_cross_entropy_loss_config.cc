@@ -33,14 +33,19 @@ Status LinearCrossEntropyConfig::ValidateCrossFields() const {
 LinearCrossEntropyConfig LinearCrossEntropyHeuristicConfig(const LinearCrossEntropyShape& call, DType dtype,
                                                            const CpuInfo& cpu, LinearCrossEntropyProduct product) {
   (void)dtype, (void)product;  // both passes tile the logits the same way
-  // row_block: every task packs all of W once per row block, so blocks are as tall as still
-  // gives 8 tasks (balance on a few cores) and at most 512 rows (the GEMM's column block).
+  // row_block: every task packs the whole of W once per row block (twice in the backward), and
+  // with the bf16 engine that packing costs as much as a product of ~100 rows: blocks are as
+  // tall as still gives 4 tasks, at most 512 rows (the GEMM's column block). Measured on the
+  // amx tier, bf16 [512, 1024] x [1024, 32064] forward+backward: 64-row blocks 450-560, 128-row
+  // 770-800, 256-row 840-880 GFLOP/s.
   const int64_t batch = std::max<int64_t>(call.batch, 1);
-  const int64_t row_block = std::clamp<int64_t>(RoundUp(CeilDiv(batch, 8), 16), 16, 512);
-  // vocab_block: each tile repacks its x block, so tiles are deep; the tile (vocab_block x
-  // row_block fp32) plus the GEMM's accumulator of the same size stay within L2.
-  const int64_t l2_rows = std::max<int64_t>(cpu.l2_bytes / (2 * 4 * row_block) / 16 * 16, 64);
-  const int64_t vocab_block = std::min<int64_t>(std::min<int64_t>(l2_rows, 1024), RoundUp(std::max<int64_t>(call.vocab, 1), 16));
+  const int64_t row_block = std::clamp<int64_t>(RoundUp(CeilDiv(batch, 4), 16), 16, 512);
+  // vocab_block: each tile repacks its block of x, so tiles are deep; the tile (vocab_block x
+  // row_block fp32) and the GEMM's accumulator of the same size stay within L2 (512 rows for
+  // 512-row blocks in 2 MiB).
+  const int64_t l2_rows = cpu.l2_bytes / (2 * 4 * row_block) / 16 * 16;
+  const int64_t vocab_block =
+      std::min<int64_t>(std::clamp<int64_t>(l2_rows, 256, 1024), RoundUp(std::max<int64_t>(call.vocab, 1), 16));
   // block_k: a 16-wide fp32 B panel of block_k rows beside the A panel in a 32+ KiB L1.
   const int64_t block_k = cpu.l1d_bytes >= 32 * 1024 ? 256 : 128;
   return Make(row_block, vocab_block, block_k);
