@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from contract import THREAD_COUNTS, BadInput, DynamicSizes, OpContract, Sample
 from strategies import DTYPES, PROFILE, layout
+import tokamax_torch
 from tokamax_torch.ops import linear_softmax_cross_entropy_loss as lce
 
 # Relative to the oracle's magnitude: loss and lse are fp32 sums of fp32-accumulated logits; bf16
@@ -183,6 +184,34 @@ def test_int32_labels_and_empty_batch():
     assert loss.item() == 0.0
     loss.backward()
     assert (wg.grad == 0).all() and empty.grad.shape == (0, 9)
+
+
+def _rss_growth_mib(fn) -> float:
+    """Growth of the resident set's high-water mark during fn() (Linux clear_refs)."""
+    def status_kib(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+        return 0
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pytest.skip("no /proc/self/clear_refs to reset the RSS high-water mark")
+    before = status_kib("VmRSS")
+    fn()
+    return (status_kib("VmHWM") - before) / 1024
+
+
+def test_forward_backward_never_holds_the_logits():
+    """B x V fp32 logits are 64 MiB here; the call's only large allocation is dweights (16 MiB)."""
+    b, h, v = 256, 64, 65536
+    x = torch.randn(b, h, requires_grad=True)
+    head = torch.randn(v, h).mul_(0.1).requires_grad_(True)
+    labels = torch.randint(0, v, (b,))
+    tokamax_torch.empty_cache()
+    growth = _rss_growth_mib(lambda: lce.kernel(x, labels, head.t()).backward())
+    assert growth < 40, f"resident set grew {growth:.0f} MiB; the logits alone are {b * v * 4 / 2**20:.0f} MiB"
 
 
 # ---- the shared contract --------------------------------------------------------------------------
