@@ -1,0 +1,103 @@
+// linear_softmax_cross_entropy_loss: the cross-entropy of softmax(x · W) against integer labels,
+// x[B, H], W[H, V], without the [B, V] logits ever existing. Logits are made one tile at a time
+// on the GEMM core, transposed (tile[v][r]: vocabulary rows, batch columns) so every per-row
+// reduction runs down a column and vectorizes across batch rows.
+//
+// Per batch row r with label y (z = logits, capped z = cap·tanh(z/cap) when logits_soft_cap > 0):
+//   lse = logsumexp_v z_v,  loss = (1-ε)(lse - z_y) + ε(lse - mean_v z_v) + z_loss_weight·lse²,
+// 0 for a row whose label is ignore_index (ε = label_smoothing, F.cross_entropy's smoothing).
+// sum/mean reduce the rows in row order (mean over the non-ignored rows; 0 when there are none).
+//
+// Forward: tasks of row_block rows walk every vocab tile with an online logsumexp; each output
+// is written by one task, in an order fixed by the config. Backward: vocab tiles one after the
+// other; per tile, (A) tasks of row_block rows recompute the tile, turn it into dlogits from the
+// saved lse (softmax, minus the smoothed one-hot, times the row's upstream gradient) in a
+// [vocab_block, B] strip, and add dlogits · W_tileᵀ into dx in tile order; (B) tasks of H rows
+// write dW[:, tile] = xᵀ · dlogits (the whole batch as the GEMM's depth). Every dx and dW element
+// is accumulated in an order fixed by the config and the tier: bitwise the same at any thread count.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "csrc/core/base/config_fields.h"
+#include "csrc/core/base/dtype.h"
+#include "csrc/core/base/status.h"
+#include "csrc/core/base/strided_view.h"
+#include "csrc/core/runtime/cpu_info.h"
+#include "csrc/core/runtime/isa.h"
+
+namespace tokamax {
+
+#define TOKAMAX_LINEAR_SOFTMAX_CROSS_ENTROPY_LOSS_CONFIG_FIELDS(X)                                        \
+  X(row_block, 256, 16, 8192, 16, "batch rows per task (the columns of a transposed logits tile)")      \
+  X(vocab_block, 512, 16, 16384, 16, "vocabulary entries per logits tile (the backward's dlogits strip)") \
+  X(block_k, 256, 16, 4096, 16, "depth of the GEMM's packed K slices (the order of each logit's sum)")
+#define TOKAMAX_LINEAR_SOFTMAX_CROSS_ENTROPY_LOSS_PRODUCTS(X) X(kForward, "forward") X(kBackward, "backward")
+
+struct LinearCrossEntropyConfig {
+  TOKAMAX_CONFIG_BODY(LinearCrossEntropyConfig, "linear_softmax_cross_entropy_loss",
+                      TOKAMAX_LINEAR_SOFTMAX_CROSS_ENTROPY_LOSS_CONFIG_FIELDS,
+                      TOKAMAX_LINEAR_SOFTMAX_CROSS_ENTROPY_LOSS_PRODUCTS)
+};
+using LinearCrossEntropyProduct = LinearCrossEntropyConfig::Product;
+
+struct LinearCrossEntropyShape {
+  int64_t batch = 0;   // B
+  int64_t hidden = 0;  // H
+  int64_t vocab = 0;   // V
+};
+
+enum class LossReduction : int { kSum = 0, kMean = 1, kNone = 2 };
+
+// x [B, H] and w [H, V] of one dtype, any strides; labels int64 [B] (`labels_stride` apart).
+// Per-row results (loss rows, lse, dloss for kNone) are contiguous in the accumulation type:
+// float, or double for float64 x.
+struct LinearCrossEntropyParams {
+  StridedView<2> x;
+  StridedView<2> w;
+  const int64_t* labels = nullptr;
+  int64_t labels_stride = 1;
+  LossReduction reduction = LossReduction::kSum;
+  int64_t ignore_index = -100;
+  double label_smoothing = 0.0;
+  double z_loss_weight = 0.0;
+  double logits_soft_cap = 0.0;  // 0: no cap
+  // Forward outputs: loss (1 value for sum/mean, B for none) and lse [B].
+  void* loss = nullptr;
+  void* lse = nullptr;  // the forward writes it; the backward reads it
+  // Backward: dloss (1 value or B, as loss) and dlse [B] in (either null: zero); dx [B, H] in
+  // x's dtype and dw [H, V] in w's dtype (any strides; either null: not computed) out.
+  const void* dloss = nullptr;
+  const void* dlse = nullptr;
+  MutableStridedView<2> dx;
+  MutableStridedView<2> dw;
+};
+
+// Checks every label (ignore_index or in [0, V)) before any compute.
+Status LinearCrossEntropy(const LinearCrossEntropyParams& params, const LinearCrossEntropyConfig& config);
+Status LinearCrossEntropyBackward(const LinearCrossEntropyParams& params, const LinearCrossEntropyConfig& config);
+
+LinearCrossEntropyConfig LinearCrossEntropyHeuristicConfig(const LinearCrossEntropyShape& call, DType dtype,
+                                                           const CpuInfo& cpu, LinearCrossEntropyProduct product);
+std::vector<LinearCrossEntropyConfig> LinearCrossEntropyConfigSpace(const LinearCrossEntropyShape& call, DType dtype,
+                                                                    const CpuInfo& cpu,
+                                                                    LinearCrossEntropyProduct product);
+
+// The column loops of one ISA tier (linear_softmax_cross_entropy_loss_kernels_tiered.cc) on an
+// fp32 tile z[v][c], v < rows, c < cols (a multiple of 16, ld floats per row).
+struct LinearCrossEntropyKernels {
+  // The online logsumexp over one more tile: max[c] and sum[c] (start: -inf and 0) become the
+  // running max and sum of exp(z - max) over every tile so far; zsum[c] += sum_v z (if not null).
+  void (*forward_tile)(const float* z, int64_t rows, int64_t ld, int64_t cols, float* max, float* sum, float* zsum);
+  // z (capped logits) becomes dlogits: d = a·exp(z - lse) - b - (v == label_row ? c1 : 0),
+  // times (1 - z²·cap_inv_sq) (the soft cap's derivative; 0 for none), stored at out[v][c]
+  // (out_ld apart) in out_dtype (fp32 or bf16).
+  void (*backward_tile)(const float* z, int64_t rows, int64_t ld, int64_t cols, const float* lse, const float* a,
+                        const float* b, const float* label_row, const float* c1, float cap_inv_sq, void* out,
+                        DType out_dtype, int64_t out_ld);
+};
+
+const LinearCrossEntropyKernels& GetLinearCrossEntropyKernels(Isa isa);
+
+}  // namespace tokamax
