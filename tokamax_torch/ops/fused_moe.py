@@ -17,6 +17,7 @@ import torch
 
 from tokamax_torch import _op
 from tokamax_torch import configs as _configs
+from tokamax_torch.ops.fused_experts import _hf_weights, _parse_shape, _weight_argument
 
 #: Blocking of the CPU kernel; its fields come from ``tokamax::FusedMoeConfig``'s field list.
 Config = _configs.config_class("fused_moe", __name__, "Blocking of the fused_moe CPU kernel.")
@@ -29,8 +30,9 @@ class _FusedMoe(_op.Op):
 
     family = "fused_moe"
     product_specs = _op.declared_products(
-        PRODUCTS, wrt={"backward": ("x", "w1", "w2", "gating", "w1_bias", "w2_bias")})
+        PRODUCTS, wrt={"backward": ("x", "w1", "w2", "gating")})
     config_cls = Config
+    cli_shape = "T,H,I,E,k"
     summary = ("MoE feed-forward from router logits: softmax, top-k (ties to the lowest id), optional "
                "renormalisation, then `fused_experts`; backward into x, weights, biases and gating.")
 
@@ -47,6 +49,18 @@ class _FusedMoe(_op.Op):
 
     def config_op_arguments(self, bound) -> tuple:
         return bound["x"], bound["w1"], bound["w2"], bound["gating"], int(bound["topk"])
+
+    def cli_call(self, shape: str, dtype: torch.dtype, options):
+        t, h, i, e, k = _parse_shape(shape)
+        w1, w2 = _hf_weights(e, h, i, dtype)
+        return self.bind(torch.empty(t, h, device="meta", dtype=dtype), w1, w2,
+                         torch.empty(t, e, device="meta", dtype=dtype), topk=k)
+
+    def real_argument(self, bound, name, value, generator):
+        """w1, w2 keep the meta tensor's layout."""
+        if name in ("w1", "w2") and isinstance(value, torch.Tensor) and value.device.type == "meta":
+            return _weight_argument(value, generator)
+        return super().real_argument(bound, name, value, generator)
 
     def cache_key_arguments(self, bound) -> dict:
         """Sizes, dtype and topk choose the config; act_fn, renormalize and the biases cost the same."""
