@@ -1,0 +1,495 @@
+// The fused_experts CPU kernels (forward and backward) and fused_moe's softmax router.
+#include "csrc/ops/fused_moe/fused_moe.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#include "csrc/core/base/int_math.h"
+#include "csrc/core/runtime/isa.h"
+#include "csrc/core/runtime/large_buffer.h"
+#include "csrc/core/runtime/parallel.h"
+#include "csrc/core/runtime/scratch_arena.h"
+#include "csrc/ops/topk/topk.h"
+
+namespace tokamax {
+namespace {
+
+// fp32 arithmetic, float64 for float64 storage (the GEMM core's float64 path needs all three
+// operands in float64, so the scratch it writes is float64 too).
+template <typename T>
+using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
+template <typename T>
+constexpr DType kAccDType = std::is_same_v<T, double> ? DType::kFloat64 : DType::kFloat32;
+
+template <typename T>
+Acc<T> Load(const T* p) {
+  if constexpr (std::is_same_v<T, double>) {
+    return *p;
+  } else {
+    return LoadAsFloat(p);
+  }
+}
+template <typename T, typename V>
+void Store(T* p, V v) {
+  if constexpr (std::is_same_v<T, double>) {
+    *p = static_cast<double>(v);
+  } else {
+    StoreFromFloat(p, static_cast<float>(v));
+  }
+}
+double LoadAny(const void* p, DType dtype) {
+  return DispatchDType(dtype, [&](auto tag) -> double {
+    using T = decltype(tag);
+    return static_cast<double>(Load(static_cast<const T*>(p)));
+  });
+}
+void StoreAny(void* p, DType dtype, double v) {
+  DispatchDType(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    Store(static_cast<T*>(p), v);
+    return 0;
+  });
+}
+
+// d/dg of Activate(activation, g), the backward's only use of the activation's form.
+template <typename A>
+A ActivationGrad(Activation activation, A g) {
+  if (activation == Activation::kSilu) {
+    const A s = A(1) / (A(1) + std::exp(-g));
+    return s * (A(1) + g * (A(1) - s));
+  }
+  const A c = A(0.7978845608028654), a = A(0.044715);
+  const A th = std::tanh(c * (g + a * g * g * g));
+  return A(0.5) * (A(1) + th) + A(0.5) * g * (A(1) - th * th) * c * (A(1) + A(3) * a * g * g);
+}
+
+// Scratch slots of a task's lease.
+enum Slot : int { kGateSlot = 0, kUpSlot, kHSlot, kGradSlot };
+
+// The (token, slot) pairs sorted by expert: sorted row s is flat position order[s] = t*k + j.
+struct Routing {
+  int64_t rows = 0;
+  LargeBuffer<int64_t> order, inverse, token;
+  std::vector<int64_t> offsets;  // [E + 1]: expert e owns sorted rows [offsets[e], offsets[e+1])
+};
+
+Status Route(const FusedExpertsParams& p, const char* op, Routing* r) {
+  const int64_t tokens = p.topk_ids.rows, k = p.topk_ids.cols, experts = p.w1.sizes[0];
+  r->rows = tokens * k;
+  r->order = LargeBuffer<int64_t>(r->rows, LargeBuffer<int64_t>::kUninitialized);
+  r->inverse = LargeBuffer<int64_t>(r->rows, LargeBuffer<int64_t>::kUninitialized);
+  r->token = LargeBuffer<int64_t>(r->rows, LargeBuffer<int64_t>::kUninitialized);
+  std::vector<int32_t> sizes(experts);
+  MoePermuteParams permute;
+  permute.expert_indices = p.topk_ids;
+  permute.num_experts = experts;
+  permute.order = r->order.data();
+  permute.inverse = r->inverse.data();
+  permute.group_sizes = sizes.data();
+  Status status = MoePermute(permute);
+  if (!status.ok()) {
+    // moe_permute's message, in this op's words.
+    std::string message = status.message();
+    const std::string from = "moe_permute: expert_indices";
+    if (message.rfind(from, 0) == 0) message = std::string(op) + ": topk_ids" + message.substr(from.size());
+    return Status::Error(message);
+  }
+  r->offsets.assign(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) r->offsets[e + 1] = r->offsets[e] + sizes[e];
+  for (int64_t s = 0; s < r->rows; ++s) r->token[s] = r->order[s] / k;
+  return Status::Ok();
+}
+
+struct Task {
+  int64_t expert, row0, row1;
+};
+
+std::vector<Task> RowTasks(const Routing& r, int64_t task_rows) {
+  std::vector<Task> tasks;
+  for (size_t e = 0; e + 1 < r.offsets.size(); ++e) {
+    for (int64_t r0 = r.offsets[e]; r0 < r.offsets[e + 1]; r0 += task_rows) {
+      tasks.push_back({static_cast<int64_t>(e), r0, std::min(r0 + task_rows, r.offsets[e + 1])});
+    }
+  }
+  return tasks;
+}
+
+// Runs body(task) for every task, threads pulling indices from a shared counter (uneven experts).
+template <typename Body>
+void RunTasks(int64_t count, const Body& body) {
+  std::atomic<int64_t> next{0};
+  ParallelFor(0, count, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) body(i);
+  });
+}
+
+GemmBlocking BlockingOf(const FusedExpertsConfig& config) {
+  GemmBlocking blocking;
+  blocking.block_m = RoundUp(std::min<int64_t>(config.task_rows, 96), kGemmMr);
+  blocking.block_k = config.block_k;
+  blocking.block_n = config.block_n;
+  return blocking;
+}
+
+// Expert e's matrices (and their transposes), no copies: any strides.
+ConstMatrix W1(const FusedExpertsParams& p, int64_t e, int64_t col0, int64_t cols) {
+  return {p.w1.At(e, 0, col0), p.w1.dtype, p.w1.sizes[1], cols, p.w1.strides[1], p.w1.strides[2]};
+}
+ConstMatrix W1T(const FusedExpertsParams& p, int64_t e) {
+  return {p.w1.At(e, 0, 0), p.w1.dtype, p.w1.sizes[2], p.w1.sizes[1], p.w1.strides[2], p.w1.strides[1]};
+}
+ConstMatrix W2(const FusedExpertsParams& p, int64_t e) {
+  return {p.w2.At(e, 0, 0), p.w2.dtype, p.w2.sizes[1], p.w2.sizes[2], p.w2.strides[1], p.w2.strides[2]};
+}
+ConstMatrix W2T(const FusedExpertsParams& p, int64_t e) {
+  return {p.w2.At(e, 0, 0), p.w2.dtype, p.w2.sizes[2], p.w2.sizes[1], p.w2.strides[2], p.w2.strides[1]};
+}
+template <typename A>
+MutableMatrix AccMatrix(A* data, int64_t rows, int64_t cols) {
+  return {data, std::is_same_v<A, double> ? DType::kFloat64 : DType::kFloat32, rows, cols, cols, 1};
+}
+
+// The gate|up product of `rows` rows of x gathered through row_map (GemmPrologue), without bias:
+// gate[r][i] = act(x[row_map[r]] · w1[e][:, i]) when `activate`, else the raw product, and
+// up[r][i] = x[row_map[r]] · w1[e][:, I + i]. The one place the first product is formed: it moves
+// to the GEMM core's gated epilogue when that lands (the bias then too).
+template <typename A>
+void GateUpProduct(const GemmKernels& kernels, const FusedExpertsParams& p, int64_t e, const int64_t* row_map,
+                   int64_t rows, const GemmBlocking& blocking, bool activate, A* gate, A* up) {
+  const int64_t inter = p.w2.sizes[1];
+  const ConstMatrix x{p.x.data, p.x.dtype, rows, p.x.sizes[1], p.x.strides[0], p.x.strides[1]};
+  GemmPrologue gather;
+  gather.a_row_map = row_map;
+  GemmEpilogue epilogue;
+  epilogue.activation = activate && p.w1_bias.data == nullptr ? p.activation : Activation::kNone;
+  GemmRegion(kernels, x, W1(p, e, 0, inter), AccMatrix(gate, rows, inter), 0, rows, 0, inter, blocking, epilogue,
+             gather);
+  GemmRegion(kernels, x, W1(p, e, inter, inter), AccMatrix(up, rows, inter), 0, rows, 0, inter, blocking, {},
+             gather);
+}
+
+// Adds b1[e] to the raw gate|up product (when there is a bias).
+template <typename A>
+void AddGateUpBias(const FusedExpertsParams& p, int64_t e, int64_t rows, A* gate, A* up) {
+  if (p.w1_bias.data == nullptr) return;
+  const int64_t inter = p.w2.sizes[1];
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < inter; ++i) {
+      gate[r * inter + i] += static_cast<A>(LoadAny(p.w1_bias.At(e, i), p.w1_bias.dtype));
+      up[r * inter + i] += static_cast<A>(LoadAny(p.w1_bias.At(e, inter + i), p.w1_bias.dtype));
+    }
+  }
+}
+
+// h = act(x·w1_gate + b1_gate) * (x·w1_up + b1_up) for a block of one expert's rows, in T.
+template <typename T>
+void GatedUpProjection(const GemmKernels& kernels, const FusedExpertsParams& p, int64_t e, const int64_t* row_map,
+                       int64_t rows, const GemmBlocking& blocking, ScratchLease& lease, T* h) {
+  using A = Acc<T>;
+  const int64_t inter = p.w2.sizes[1];
+  A* gate = lease.Get<A>(kGateSlot, rows * inter);
+  A* up = lease.Get<A>(kUpSlot, rows * inter);
+  GateUpProduct(kernels, p, e, row_map, rows, blocking, /*activate=*/true, gate, up);
+  const bool biased = p.w1_bias.data != nullptr;
+  AddGateUpBias(p, e, rows, gate, up);
+  for (int64_t i = 0; i < rows * inter; ++i) {
+    const A g = biased ? Activate(p.activation, gate[i]) : gate[i];
+    Store(h + i, g * up[i]);
+  }
+}
+
+Status Prepare(const FusedExpertsParams& p, const FusedExpertsConfig& config, const char* op, Routing* routing,
+               const GemmKernels** kernels) {
+  Status status = config.Validate();
+  if (!status.ok()) return status;
+  if (p.activation != Activation::kSilu && p.activation != Activation::kGeluTanh) {
+    return Status::Error(std::string(op) + ": act_fn must be silu or gelu");
+  }
+  Isa isa;
+  status = ActiveIsa(&isa);
+  if (!status.ok()) return status;
+  *kernels = &GetGemmKernels(isa);
+  return Route(p, op, routing);
+}
+
+}  // namespace
+
+Status FusedExperts(const FusedExpertsParams& p, const FusedExpertsConfig& config) {
+  Routing routing;
+  const GemmKernels* kernels = nullptr;
+  Status status = Prepare(p, config, "fused_experts", &routing, &kernels);
+  if (!status.ok()) return status;
+  const int64_t tokens = p.x.sizes[0], hidden = p.x.sizes[1], inter = p.w2.sizes[1], k = p.topk_ids.cols;
+  const GemmBlocking blocking = BlockingOf(config);
+  const std::vector<Task> tasks = RowTasks(routing, config.task_rows);
+  return DispatchDType(p.x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = Acc<T>;
+    // Each sorted row's expert output y (h·w2 + b2), combined below in a fixed order.
+    LargeBuffer<A> y(routing.rows * hidden, LargeBuffer<A>::kUninitialized);
+    RunTasks(static_cast<int64_t>(tasks.size()), [&](int64_t index) {
+      const Task& task = tasks[index];
+      const int64_t rows = task.row1 - task.row0;
+      ScratchLease lease;
+      T* h = lease.Get<T>(kHSlot, rows * inter);
+      GatedUpProjection<T>(*kernels, p, task.expert, &routing.token[task.row0], rows, blocking, lease, h);
+      const ConstMatrix hm{h, p.x.dtype, rows, inter, inter, 1};
+      A* y_rows = &y[task.row0 * hidden];
+      GemmRegion(*kernels, hm, W2(p, task.expert), AccMatrix(y_rows, rows, hidden), 0, rows, 0, hidden, blocking);
+      if (p.w2_bias.data != nullptr) {
+        for (int64_t c = 0; c < hidden; ++c) {
+          const A b = static_cast<A>(LoadAny(p.w2_bias.At(task.expert, c), p.w2_bias.dtype));
+          for (int64_t r = 0; r < rows; ++r) y_rows[r * hidden + c] += b;
+        }
+      }
+    });
+    // out[t] = sum over j ascending of w[t, j] * y[row of (t, j)].
+    ParallelFor(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+      std::vector<A> acc(hidden);
+      for (int64_t t = t0; t < t1; ++t) {
+        std::fill(acc.begin(), acc.end(), A(0));
+        for (int64_t j = 0; j < k; ++j) {
+          const A w = static_cast<A>(LoadAny(p.topk_weights.At(t, j), p.topk_weights.dtype));
+          const A* row = &y[routing.inverse[t * k + j] * hidden];
+          for (int64_t c = 0; c < hidden; ++c) acc[c] += w * row[c];
+        }
+        T* out = static_cast<T*>(p.out.data);
+        for (int64_t c = 0; c < hidden; ++c) Store(out + t * p.out.strides[0] + c * p.out.strides[1], acc[c]);
+      }
+    });
+    return Status::Ok();
+  });
+}
+
+// The backward, with s a sorted row of expert e, token t and weight w, h_s its GLU output and
+// g_s = dout[t]·w2[e]ᵀ:
+//   dw_s = h_s·g_s + dout[t]·b2[e];  dh_s = w g_s;  dgate = dh u act'(gate);  dup = dh act(gate)
+//   dx[t] = sum over the token's slots, ascending, of [dgate|dup]_s · w1[e]ᵀ
+//   dw1[e] = X_eᵀ [dgate|dup]_e,  dw2[e] = (w h)_eᵀ dout_e,  db1[e] = sum_s [dgate|dup]_s,
+//   db2[e] = sum_s w dout[t]  (sums over the expert's rows in sorted order).
+Status FusedExpertsBackward(const FusedExpertsParams& p, const FusedExpertsConfig& config) {
+  Routing routing;
+  const GemmKernels* kernels = nullptr;
+  Status status = Prepare(p, config, "fused_experts", &routing, &kernels);
+  if (!status.ok()) return status;
+  const int64_t tokens = p.x.sizes[0], hidden = p.x.sizes[1], inter = p.w2.sizes[1], k = p.topk_ids.cols;
+  const int64_t experts = p.w1.sizes[0], rows_total = routing.rows;
+  const GemmBlocking blocking = BlockingOf(config);
+  const std::vector<Task> tasks = RowTasks(routing, config.task_rows);
+  return DispatchDType(p.x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = Acc<T>;
+    const DType dtype = p.x.dtype;
+    // Per sorted row: the gathered x and dout rows, w*h, [dgate|dup] (T) and dx's part (A).
+    LargeBuffer<T> xg(rows_total * hidden, LargeBuffer<T>::kUninitialized);
+    LargeBuffer<T> doutg(rows_total * hidden, LargeBuffer<T>::kUninitialized);
+    LargeBuffer<T> wh(rows_total * inter, LargeBuffer<T>::kUninitialized);
+    LargeBuffer<T> dpre(rows_total * 2 * inter, LargeBuffer<T>::kUninitialized);
+    LargeBuffer<A> dxs(rows_total * hidden, LargeBuffer<A>::kUninitialized);
+    const ConstMatrix dout_m{p.dout.data, dtype, 0, hidden, p.dout.strides[0], p.dout.strides[1]};
+    RunTasks(static_cast<int64_t>(tasks.size()), [&](int64_t index) {
+      const Task& task = tasks[index];
+      const int64_t e = task.expert, rows = task.row1 - task.row0;
+      const int64_t* row_map = &routing.token[task.row0];
+      ScratchLease lease;
+      A* gate = lease.Get<A>(kGateSlot, rows * inter);
+      A* up = lease.Get<A>(kUpSlot, rows * inter);
+      A* grad = lease.Get<A>(kGradSlot, rows * inter);
+      GateUpProduct(*kernels, p, e, row_map, rows, blocking, /*activate=*/false, gate, up);
+      AddGateUpBias(p, e, rows, gate, up);
+      ConstMatrix dout_rows = dout_m;
+      dout_rows.rows = rows;
+      GemmPrologue gather;
+      gather.a_row_map = row_map;
+      GemmRegion(*kernels, dout_rows, W2T(p, e), AccMatrix(grad, rows, inter), 0, rows, 0, inter, blocking, {},
+                 gather);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t s = task.row0 + r, flat = routing.order[s], t = flat / k, j = flat % k;
+        const A w = static_cast<A>(LoadAny(p.topk_weights.At(t, j), p.topk_weights.dtype));
+        const T* x_row = static_cast<const T*>(p.x.data) + t * p.x.strides[0];
+        const T* dout_row = static_cast<const T*>(p.dout.data) + t * p.dout.strides[0];
+        for (int64_t c = 0; c < hidden; ++c) {
+          xg[s * hidden + c] = x_row[c * p.x.strides[1]];
+          doutg[s * hidden + c] = dout_row[c * p.dout.strides[1]];
+        }
+        A dw = 0;
+        if (p.w2_bias.data != nullptr) {
+          for (int64_t c = 0; c < hidden; ++c) {
+            dw += Load(dout_row + c * p.dout.strides[1]) *
+                  static_cast<A>(LoadAny(p.w2_bias.At(e, c), p.w2_bias.dtype));
+          }
+        }
+        A hg = 0;
+        T* dg = &dpre[s * 2 * inter];
+        for (int64_t i = 0; i < inter; ++i) {
+          const A g = gate[r * inter + i], u = up[r * inter + i], d = grad[r * inter + i];
+          const A act = Activate(p.activation, g);
+          hg += act * u * d;
+          Store(&wh[s * inter + i], w * act * u);
+          const A dh = w * d;
+          Store(dg + i, dh * u * ActivationGrad(p.activation, g));
+          Store(dg + inter + i, dh * act);
+        }
+        StoreAny(p.dtopk_weights.At(t, j), p.dtopk_weights.dtype, static_cast<double>(dw + hg));
+      }
+      const ConstMatrix dpre_rows{&dpre[task.row0 * 2 * inter], dtype, rows, 2 * inter, 2 * inter, 1};
+      GemmRegion(*kernels, dpre_rows, W1T(p, e), AccMatrix(&dxs[task.row0 * hidden], rows, hidden), 0, rows, 0,
+                 hidden, blocking);
+    });
+    // Weight gradients: one task per (expert, column block), each summing all the expert's rows in
+    // sorted order (an expert with no rows gets K = 0: exact zeros).
+    struct WeightTask {
+      int64_t expert, which, n0, n1;  // which: 0 dw1, 1 dw2
+    };
+    std::vector<WeightTask> weight_tasks;
+    for (int64_t e = 0; e < experts; ++e) {
+      for (int64_t n0 = 0; n0 < 2 * inter; n0 += config.block_n) {
+        weight_tasks.push_back({e, 0, n0, std::min(n0 + config.block_n, 2 * inter)});
+      }
+      for (int64_t n0 = 0; n0 < hidden; n0 += config.block_n) {
+        weight_tasks.push_back({e, 1, n0, std::min(n0 + config.block_n, hidden)});
+      }
+    }
+    RunTasks(static_cast<int64_t>(weight_tasks.size()), [&](int64_t index) {
+      const WeightTask& task = weight_tasks[index];
+      const int64_t e = task.expert, r0 = routing.offsets[e], rows = routing.offsets[e + 1] - r0;
+      if (task.which == 0) {
+        const ConstMatrix a{&xg[r0 * hidden], dtype, hidden, rows, 1, hidden};
+        const ConstMatrix b{&dpre[r0 * 2 * inter], dtype, rows, 2 * inter, 2 * inter, 1};
+        const MutableMatrix c{p.dw1.At(e, 0, 0), p.dw1.dtype, hidden, 2 * inter, p.dw1.strides[1], p.dw1.strides[2]};
+        GemmRegion(*kernels, a, b, c, 0, hidden, task.n0, task.n1, blocking);
+        if (p.dw1_bias.data != nullptr) {
+          for (int64_t n = task.n0; n < task.n1; ++n) {
+            A sum = 0;
+            for (int64_t r = 0; r < rows; ++r) sum += Load(&dpre[(r0 + r) * 2 * inter + n]);
+            StoreAny(p.dw1_bias.At(e, n), p.dw1_bias.dtype, static_cast<double>(sum));
+          }
+        }
+      } else {
+        const ConstMatrix a{&wh[r0 * inter], dtype, inter, rows, 1, inter};
+        const ConstMatrix b{&doutg[r0 * hidden], dtype, rows, hidden, hidden, 1};
+        const MutableMatrix c{p.dw2.At(e, 0, 0), p.dw2.dtype, inter, hidden, p.dw2.strides[1], p.dw2.strides[2]};
+        GemmRegion(*kernels, a, b, c, 0, inter, task.n0, task.n1, blocking);
+        if (p.dw2_bias.data != nullptr) {
+          for (int64_t n = task.n0; n < task.n1; ++n) {
+            A sum = 0;
+            for (int64_t r = 0; r < rows; ++r) {
+              const int64_t flat = routing.order[r0 + r];
+              const A w = static_cast<A>(LoadAny(p.topk_weights.At(flat / k, flat % k), p.topk_weights.dtype));
+              sum += w * Load(&doutg[(r0 + r) * hidden + n]);
+            }
+            StoreAny(p.dw2_bias.At(e, n), p.dw2_bias.dtype, static_cast<double>(sum));
+          }
+        }
+      }
+    });
+    // dx[t] = sum over j ascending of the slot's part.
+    ParallelFor(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+      std::vector<A> acc(hidden);
+      for (int64_t t = t0; t < t1; ++t) {
+        std::fill(acc.begin(), acc.end(), A(0));
+        for (int64_t j = 0; j < k; ++j) {
+          const A* row = &dxs[routing.inverse[t * k + j] * hidden];
+          for (int64_t c = 0; c < hidden; ++c) acc[c] += row[c];
+        }
+        T* dx = static_cast<T*>(p.dx.data);
+        for (int64_t c = 0; c < hidden; ++c) Store(dx + t * p.dx.strides[0] + c * p.dx.strides[1], acc[c]);
+      }
+    });
+    return Status::Ok();
+  });
+}
+
+// ---- fused_moe's router ----------------------------------------------------------------------------
+
+namespace {
+
+// p = softmax(gating[t]) in fp32 (a row without a finite maximum gives NaN).
+void SoftmaxRow(const StridedView<2>& gating, int64_t t, float* p) {
+  const int64_t experts = gating.sizes[1];
+  float max = -std::numeric_limits<float>::infinity();
+  for (int64_t e = 0; e < experts; ++e) {
+    p[e] = static_cast<float>(LoadAny(gating.At(t, e), gating.dtype));
+    max = std::max(max, p[e]);
+  }
+  float sum = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    p[e] = std::exp(p[e] - max);
+    sum += p[e];
+  }
+  for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
+}
+
+}  // namespace
+
+Status MoeRouter(const MoeRouterParams& p) {
+  const int64_t tokens = p.gating.sizes[0], experts = p.gating.sizes[1], k = p.k;
+  if (k < 1 || k > experts) {
+    return Status::Error("fused_moe: topk must be in [1, E=" + std::to_string(experts) + "], got " +
+                         std::to_string(k));
+  }
+  Isa isa;
+  Status status = ActiveIsa(&isa);
+  if (!status.ok()) return status;
+  const SelectRowFn select = GetTopKKernels(isa).select_f32;
+  ParallelFor(0, tokens, 64, [&](int64_t t0, int64_t t1) {
+    std::vector<float> probs(experts), vals(k);
+    std::vector<int32_t> idx(k);
+    for (int64_t t = t0; t < t1; ++t) {
+      SoftmaxRow(p.gating, t, probs.data());
+      // Probabilities are >= 0, so -1 keeps every non-NaN one; ties go to the lower id.
+      int64_t kept = select(probs.data(), 1, experts, k, -1.0f, vals.data(), idx.data());
+      // NaN probabilities (a row without a finite score): the lowest unselected ids, NaN weight.
+      for (int32_t e = 0; kept < k; ++e) {
+        if (std::find(idx.begin(), idx.begin() + kept, e) != idx.begin() + kept) continue;
+        idx[kept] = e;
+        vals[kept++] = std::numeric_limits<float>::quiet_NaN();
+      }
+      float sum = 0;
+      for (int64_t j = 0; j < k; ++j) sum += vals[j];
+      for (int64_t j = 0; j < k; ++j) {
+        p.weights[t * k + j] = p.renormalize ? vals[j] / sum : vals[j];
+        p.ids[t * k + j] = idx[j];
+      }
+    }
+  });
+  return Status::Ok();
+}
+
+// With s_j = p[id_j], S = sum_j s_j and w_j = s_j / S (renormalize) or s_j:
+//   ds_j = (dw_j - sum_i dw_i w_i) / S (renormalize) or dw_j;  dp[id_j] = ds_j;
+//   dgating[e] = p[e] (dp[e] - sum_j ds_j s_j).
+Status MoeRouterBackward(const MoeRouterParams& p) {
+  const int64_t tokens = p.gating.sizes[0], experts = p.gating.sizes[1], k = p.k;
+  ParallelFor(0, tokens, 64, [&](int64_t t0, int64_t t1) {
+    std::vector<float> probs(experts), dp(experts);
+    for (int64_t t = t0; t < t1; ++t) {
+      SoftmaxRow(p.gating, t, probs.data());
+      std::fill(dp.begin(), dp.end(), 0.0f);
+      float sum = 0, dot = 0;
+      for (int64_t j = 0; j < k; ++j) sum += probs[p.ids[t * k + j]];
+      for (int64_t j = 0; j < k; ++j) {
+        const float s = probs[p.ids[t * k + j]];
+        dot += p.dweights[t * k + j] * (p.renormalize ? s / sum : s);
+      }
+      float ds_s = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t id = p.ids[t * k + j];
+        const float ds = p.renormalize ? (p.dweights[t * k + j] - dot) / sum : p.dweights[t * k + j];
+        dp[id] = ds;
+        ds_s += ds * probs[id];
+      }
+      for (int64_t e = 0; e < experts; ++e) {
+        StoreAny(p.dgating.At(t, e), p.dgating.dtype, static_cast<double>(probs[e] * (dp[e] - ds_s)));
+      }
+    }
+  });
+  return Status::Ok();
+}
+
+}  // namespace tokamax

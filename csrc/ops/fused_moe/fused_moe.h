@@ -1,0 +1,104 @@
+// fused_moe / fused_experts: a mixture-of-experts feed-forward in one call.
+//
+//   fused_experts(x[T,H], w1[E,H,2I], w2[E,I,H], topk_weights[T,k], topk_ids[T,k]):
+//     out[t] = sum over j < k, ascending, of w[t,j] * y(t, topk_ids[t,j]) in fp32, stored in x's dtype,
+//     y(t, e) = (act(x[t]·w1[e][:, :I] + b1[e][:I]) * (x[t]·w1[e][:, I:] + b1[e][I:]))·w2[e] + b2[e].
+//   fused_moe(x, w1, w2, gating[T,E], topk, renormalize): the weights and ids are the router's:
+//     p = softmax(gating[t]) in fp32, the k largest p (ties to the lowest id), divided by their sum
+//     when renormalize.
+//
+// The kernel works on the (token, slot) pairs sorted by expert (moe_gather's counting sort), one
+// task per block of one expert's rows: the gate|up product of the block lands in task scratch
+// (never a [T*k, 2I] buffer), the GLU makes h, h·w2 lands in a per-slot fp32 buffer, and a
+// fixed-order per-token sum combines the slots. The backward recomputes the gate|up product per
+// block and runs every product on the GEMM core (GemmRegion). Every output element is made by
+// one task in an order fixed by the config: bitwise the same at any thread count.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "csrc/core/base/config_fields.h"
+#include "csrc/core/base/dtype.h"
+#include "csrc/core/base/status.h"
+#include "csrc/core/base/strided_view.h"
+#include "csrc/core/gemm/gemm.h"
+#include "csrc/core/runtime/cpu_info.h"
+#include "csrc/ops/moe_gather/moe_gather.h"
+
+namespace tokamax {
+
+// One field list for both entries (fused_moe's experts part is fused_experts).
+#define TOKAMAX_FUSED_MOE_CONFIG_FIELDS(X)                                                         \
+  X(task_rows, 96, 6, 4096, 6, "one expert's (token, slot) rows per task")                         \
+  X(block_k, 256, 16, 8192, 16, "depth of one packed slice of K (the sum order of every product)") \
+  X(block_n, 512, 16, 8192, 16, "columns of B packed at once; a weight-gradient task's columns")
+#define TOKAMAX_FUSED_MOE_PRODUCTS(X) X(kForward, "forward") X(kBackward, "backward")
+
+struct FusedExpertsConfig {
+  TOKAMAX_CONFIG_BODY(FusedExpertsConfig, "fused_experts", TOKAMAX_FUSED_MOE_CONFIG_FIELDS,
+                      TOKAMAX_FUSED_MOE_PRODUCTS)
+};
+struct FusedMoeConfig {
+  TOKAMAX_CONFIG_BODY(FusedMoeConfig, "fused_moe", TOKAMAX_FUSED_MOE_CONFIG_FIELDS, TOKAMAX_FUSED_MOE_PRODUCTS)
+};
+using FusedExpertsProduct = FusedExpertsConfig::Product;
+using FusedMoeProduct = FusedMoeConfig::Product;
+
+// fused_moe runs the experts kernel with its own config: same fields, same meaning.
+FusedExpertsConfig ToExpertsConfig(const FusedMoeConfig& config);
+
+struct FusedExpertsShape {
+  int64_t tokens = 0;        // T
+  int64_t hidden = 0;        // H
+  int64_t intermediate = 0;  // I
+  int64_t experts = 0;       // E
+  int64_t topk = 0;          // k
+};
+
+struct FusedExpertsParams {
+  Activation activation = Activation::kSilu;  // kSilu or kGeluTanh
+  StridedView<2> x;             // [T, H]
+  StridedView<3> w1;            // [E, H, 2I], x's dtype, any strides (a transposed view is fine)
+  StridedView<3> w2;            // [E, I, H], x's dtype
+  StridedView<2> w1_bias;       // [E, 2I], x's dtype; null data: none
+  StridedView<2> w2_bias;       // [E, H]; null data: none
+  StridedView<2> topk_weights;  // [T, k], any float dtype
+  IndexMatrix topk_ids;         // [T, k], ids in [0, E) (checked before any write)
+  MutableStridedView<2> out;    // forward: [T, H], x's dtype
+  // Backward: dout [T, H] in x's dtype; gradients as their inputs' shapes and dtypes.
+  StridedView<2> dout;
+  MutableStridedView<2> dx;
+  MutableStridedView<3> dw1, dw2;
+  MutableStridedView<2> dw1_bias, dw2_bias;  // null data: not computed
+  MutableStridedView<2> dtopk_weights;       // [T, k], topk_weights' dtype
+};
+
+Status FusedExperts(const FusedExpertsParams& params, const FusedExpertsConfig& config);
+Status FusedExpertsBackward(const FusedExpertsParams& params, const FusedExpertsConfig& config);
+
+// fused_moe's router: weights fp32 [T, k] (descending) and ids int32 [T, k] from gating [T, E].
+struct MoeRouterParams {
+  StridedView<2> gating;  // [T, E], float
+  int64_t k = 0;
+  bool renormalize = true;
+  float* weights = nullptr;   // [T, k] contiguous
+  int32_t* ids = nullptr;     // [T, k] contiguous
+  // Backward: dgating[t] from dweights[t] (contiguous fp32 [T, k]) through the renormalisation
+  // and the softmax (the selection is piecewise constant).
+  const float* dweights = nullptr;
+  MutableStridedView<2> dgating;  // gating's dtype
+};
+Status MoeRouter(const MoeRouterParams& params);
+Status MoeRouterBackward(const MoeRouterParams& params);
+
+FusedExpertsConfig FusedExpertsHeuristicConfig(const FusedExpertsShape& call, DType dtype, const CpuInfo& cpu,
+                                               FusedExpertsProduct product);
+std::vector<FusedExpertsConfig> FusedExpertsConfigSpace(const FusedExpertsShape& call, DType dtype,
+                                                        const CpuInfo& cpu, FusedExpertsProduct product);
+FusedMoeConfig FusedMoeHeuristicConfig(const FusedExpertsShape& call, DType dtype, const CpuInfo& cpu,
+                                       FusedMoeProduct product);
+std::vector<FusedMoeConfig> FusedMoeConfigSpace(const FusedExpertsShape& call, DType dtype, const CpuInfo& cpu,
+                                                FusedMoeProduct product);
+
+}  // namespace tokamax
