@@ -15,29 +15,15 @@ from tokamax_torch.integrations import transformers as tt  # noqa: E402
 VOCAB = 96
 
 
-def _stand_in_fused_experts(x, w1, w2, topk_weights, topk_ids, *, act_fn="silu", w1_bias=None, w2_bias=None):
-    """fused_experts' contract composed of our unfused ops (moe_permute, ragged_dot), for a build
-    without fused_experts."""
-    assert w1_bias is None and w2_bias is None and act_fn == "silu"
-    tokens, k = topk_ids.shape
-    order, inverse, group_sizes = tokamax_torch.moe_permute(topk_ids, w1.shape[0])
-    gate, up = tokamax_torch.ragged_dot(x[order // k], w1, group_sizes).chunk(2, dim=-1)
-    y = tokamax_torch.ragged_dot(torch.nn.functional.silu(gate) * up, w2, group_sizes)[inverse]
-    y = y.view(tokens, k, -1).float() * topk_weights.float().unsqueeze(-1)
-    return y.sum(1).to(x.dtype)
-
-
 @pytest.fixture(autouse=True)
 def fused_experts_calls(monkeypatch):
-    """Counts the backends' calls of our ops (so a test sees they ran), and supplies the
-    stand-in where this build has no fused_experts."""
+    """Counts the backends' calls of our ops, so a test sees they ran."""
     calls = {"dot_product_attention": 0, "fused_experts": 0}
-    for name, fn in (("dot_product_attention", tokamax_torch.dot_product_attention),
-                     ("fused_experts", getattr(tokamax_torch, "fused_experts", _stand_in_fused_experts))):
-        def counted(*args, _fn=fn, _name=name, **kwargs):
+    for name in calls:
+        def counted(*args, _fn=getattr(tokamax_torch, name), _name=name, **kwargs):
             calls[_name] += 1
             return _fn(*args, **kwargs)
-        monkeypatch.setattr(tokamax_torch, name, counted, raising=False)
+        monkeypatch.setattr(tokamax_torch, name, counted)
     return calls
 
 
@@ -224,3 +210,64 @@ def test_experts_arguments_are_views_without_copies():
     assert args["w1"].data_ptr() == experts.gate_up_proj.data_ptr()
     assert args["w2"].data_ptr() == experts.down_proj.data_ptr()
     assert args["act_fn"] == "silu"
+
+
+@pytest.mark.parametrize("layout", ["plain", "biases", "gelu_tanh", "transposed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_experts_forward_matches_transformers_batched_mm(layout, dtype):
+    """The experts backend alone against transformers' batched_mm backend on one experts module,
+    in each layout the backend maps: biases, the tanh gelu, weights stored [E, H, 2I] / [E, I, H]."""
+    from transformers.integrations import moe
+
+    config = _config("mixtral")
+    if layout == "gelu_tanh":
+        config.hidden_act = "gelu_pytorch_tanh"
+    experts = transformers.models.mixtral.modeling_mixtral.MixtralExperts(config).to(dtype)
+    generator = torch.Generator().manual_seed(4)
+    E, H, I = experts.num_experts, experts.hidden_dim, experts.intermediate_dim
+    with torch.no_grad():
+        if layout == "transposed":
+            experts.is_transposed = True
+            experts.gate_up_proj = torch.nn.Parameter(torch.empty(E, H, 2 * I, dtype=dtype))
+            experts.down_proj = torch.nn.Parameter(torch.empty(E, I, H, dtype=dtype))
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=generator) * 0.2)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=generator) * 0.2)
+        if layout == "biases":
+            experts.has_bias = True
+            experts.gate_up_proj_bias = torch.nn.Parameter(torch.randn(E, 2 * I, generator=generator).to(dtype))
+            experts.down_proj_bias = torch.nn.Parameter(torch.randn(E, H, generator=generator).to(dtype))
+    tokens = 10
+    x = torch.randn(tokens, H, generator=generator).to(dtype).requires_grad_()
+    ids = torch.stack([torch.randperm(E, generator=generator)[:2] for _ in range(tokens)])
+    ids[:, 0] = ids[:, 0].clamp(max=E - 2)  # expert E-1 gets few tokens, maybe none
+    weights = torch.rand(tokens, 2, generator=generator).requires_grad_()  # fp32, as Mixtral's router gives
+    cotangent = torch.randn(tokens, H, generator=generator)
+
+    def run(forward):
+        for t in (x, weights, *experts.parameters()):
+            t.grad = None
+        out = forward(experts, x, ids, weights)
+        (out.float() * cotangent).sum().backward()
+        return out.detach(), [t.grad.clone() for t in (x, weights, *experts.parameters())]
+
+    out, grads = run(tt.experts_forward)
+    # bf16 against transformers in fp32 on the same (bf16-valued) numbers: its bf16 run rounds
+    # every intermediate to bf16 and would measure its own error as much as ours.
+    experts.float()
+    x.data, weights.data = x.data.float(), weights.data.float()
+    ref_out, ref_grads = run(moe.batched_mm_experts_forward)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for got, ref in zip([out, *grads], [ref_out, *ref_grads]):
+        err = (got.float() - ref).abs().max().item()
+        assert err <= tol * ref.abs().max().item(), (err, ref.abs().max().item())
+
+
+def test_unsupported_experts_layouts_raise():
+    experts = transformers.models.mixtral.modeling_mixtral.MixtralExperts(_config("mixtral"))
+    experts.is_concatenated = False
+    with pytest.raises(NotImplementedError, match="MixtralExperts uses interleaved gate/up weights"):
+        tt._experts_arguments(experts)
+    experts = transformers.models.mixtral.modeling_mixtral.MixtralExperts(_config("mixtral"))
+    experts.act_fn = torch.nn.GELU()  # exact erf gelu: fused_experts' gelu is the tanh approximation
+    with pytest.raises(NotImplementedError, match="the activation GELU"):
+        tt._experts_arguments(experts)
