@@ -149,6 +149,30 @@ def test_whole_model_compiles_fullgraph(name, backend):
     _assert_gradients_close(grads, eager_grads, torch.float32)
 
 
+def test_models_built_with_the_tokamax_implementations():
+    """After the import, "tokamax" is a name transformers accepts when building a model."""
+    config = _config("qwen3_moe")
+    config._attn_implementation, config._experts_implementation = "tokamax", "tokamax"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert model.config._attn_implementation == "tokamax"
+    assert model.config._experts_implementation == "tokamax"
+
+
+def test_example_runs(tmp_path):
+    """examples/hf_moe.py, shrunk: it exits non-zero when the tokamax losses or tokens differ."""
+    import pathlib
+    import subprocess
+    import sys
+
+    example = pathlib.Path(__file__).resolve().parent.parent / "examples" / "hf_moe.py"
+    out = subprocess.run([sys.executable, str(example), "--steps", "3", "--batch", "2", "--seq", "32",
+                          "--new-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "tokamax losses match eager at every step" in out.stdout
+    assert "tokamax tokens == eager tokens" in out.stdout
+
+
 def test_dense_model_gets_attention_only():
     model = tt.apply(_model("llama"))
     assert model.config._attn_implementation == "tokamax"
