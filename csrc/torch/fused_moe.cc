@@ -180,6 +180,9 @@ Grads RunExpertsBackward(const Tensor& dout, const Tensor& x, const Tensor& w1, 
   Tensor db1 = w1_bias ? at::empty(w1_bias->sizes(), w1_bias->options()) : at::empty({0}, x.options());
   Tensor db2 = w2_bias ? at::empty(w2_bias->sizes(), w2_bias->options()) : at::empty({0}, x.options());
   Tensor dtw = at::empty(topk_weights.sizes(), topk_weights.options());
+  // The weight gradients are weight-sized (1.1 GB at E=64, H=2048, I=1408 in bf16): 4 KiB faults
+  // on first touch cost about a third of the backward there.
+  for (const Tensor* t : {&dx, &dw1, &dw2}) AdviseHugePages(*t);
   FusedExpertsParams params = ParamsOf(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias);
   params.dout = StridedViewOf<2>(dout, op);
   params.dx = MutableStridedViewOf<2>(dx, op);

@@ -34,7 +34,7 @@ class _FusedExperts(_op.Op):
     product_specs = _op.declared_products(
         PRODUCTS, wrt={"backward": ("x", "w1", "w2", "topk_weights", "w1_bias", "w2_bias")})
     config_cls = Config
-    summary = ("MoE experts with routing given (Hugging Face's experts interface): gate|up GEMM, GLU (silu / "
+    summary = ("MoE experts with routing given (Hugging Face's experts interface): gate-and-up GEMM, GLU (silu / "
                "gelu-tanh), down GEMM, fp32 weighted combine, with its backward (into the routing weights too); "
                "weights as transposed views without copies.")
 

@@ -69,7 +69,7 @@ A ActivationGrad(Activation activation, A g) {
 }
 
 // Scratch slots of a task's lease.
-enum Slot : int { kGateSlot = 0, kUpSlot, kHSlot, kGradSlot };
+enum Slot : int { kGateSlot = 0, kUpSlot, kHSlot, kGradSlot, kXSlot };
 
 // The (token, slot) pairs sorted by expert: sorted row s is flat position order[s] = t*k + j.
 struct Routing {
@@ -154,23 +154,68 @@ MutableMatrix AccMatrix(A* data, int64_t rows, int64_t cols) {
   return {data, std::is_same_v<A, double> ? DType::kFloat64 : DType::kFloat32, rows, cols, cols, 1};
 }
 
-// The gate|up product of `rows` rows of x gathered through row_map (GemmPrologue), without bias:
-// gate[r][i] = act(x[row_map[r]] · w1[e][:, i]) when `activate`, else the raw product, and
-// up[r][i] = x[row_map[r]] · w1[e][:, I + i]. The one place the first product is formed: it moves
-// to the GEMM core's gated epilogue when that lands (the bias then too).
+// C = A · B for a block of one expert's rows, B an expert weight read in place (any strides). The
+// GEMM's B packer reads a weight whose rows are contiguous and columns strided (a transposed view,
+// Hugging Face's layout) along strided memory: 2-4x slower in fp32 (measured on the benchmark's
+// shapes). There the product runs as Cᵀ = Bᵀ · Aᵀ, the weight as the A operand, whose packer reads
+// its contiguous rows, and the small block of activations as B. The epilogue must be elementwise.
+bool StridedColumns(const ConstMatrix& b) { return b.col_stride != 1 && b.row_stride == 1; }
+
+void WeightProduct(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c,
+                   const GemmBlocking& blocking, const GemmEpilogue& epilogue = {}, const GemmPrologue& gather = {}) {
+  if (!StridedColumns(b) || gather.a_row_map != nullptr) {
+    GemmRegion(kernels, a, b, c, 0, a.rows, 0, b.cols, blocking, epilogue, gather);
+    return;
+  }
+  const ConstMatrix bt{b.data, b.dtype, b.cols, b.rows, b.col_stride, b.row_stride};
+  const ConstMatrix at{a.data, a.dtype, a.cols, a.rows, a.col_stride, a.row_stride};
+  const MutableMatrix ct{c.data, c.dtype, c.cols, c.rows, c.col_stride, c.row_stride};
+  GemmRegion(kernels, bt, at, ct, 0, bt.rows, 0, at.cols, blocking, epilogue);
+}
+
+// C[:, n0:n1] = A · B[:, n0:n1] for a weight gradient C laid out as its weight. A gradient of a
+// transposed weight view has strided columns, and the GEMM's store would write it one cache line
+// per element (seconds at the benchmark's sizes); there Cᵀ = Bᵀ · Aᵀ is stored along its rows.
+void WeightGradProduct(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c,
+                       int64_t n0, int64_t n1, const GemmBlocking& blocking) {
+  if (!(c.col_stride != 1 && c.row_stride == 1)) {
+    GemmRegion(kernels, a, b, c, 0, a.rows, n0, n1, blocking);
+    return;
+  }
+  const ConstMatrix bt{b.data, b.dtype, b.cols, b.rows, b.col_stride, b.row_stride};
+  const ConstMatrix at{a.data, a.dtype, a.cols, a.rows, a.col_stride, a.row_stride};
+  const MutableMatrix ct{c.data, c.dtype, c.cols, c.rows, c.col_stride, c.row_stride};
+  GemmRegion(kernels, bt, at, ct, n0, n1, 0, at.cols, blocking);
+}
+
+// The gate|up product of a block of `rows` rows of x, without bias: gate[r][i] = act(x_r · w1[e][:, i])
+// when `activate`, else the raw product, and up[r][i] = x_r · w1[e][:, I + i]; x_r is row r of `a`,
+// read through `row_map` (GemmPrologue's gather) when given. The one place the first product is
+// formed: it moves to the GEMM core's gated epilogue when that lands (the bias then too).
 template <typename A>
-void GateUpProduct(const GemmKernels& kernels, const FusedExpertsParams& p, int64_t e, const int64_t* row_map,
-                   int64_t rows, const GemmBlocking& blocking, bool activate, A* gate, A* up) {
-  const int64_t inter = p.w2.sizes[1];
-  const ConstMatrix x{p.x.data, p.x.dtype, rows, p.x.sizes[1], p.x.strides[0], p.x.strides[1]};
+void GateUpProduct(const GemmKernels& kernels, const FusedExpertsParams& p, int64_t e, const ConstMatrix& a,
+                   const int64_t* row_map, const GemmBlocking& blocking, bool activate, A* gate, A* up) {
+  const int64_t inter = p.w2.sizes[1], rows = a.rows;
   GemmPrologue gather;
   gather.a_row_map = row_map;
   GemmEpilogue epilogue;
   epilogue.activation = activate && p.w1_bias.data == nullptr ? p.activation : Activation::kNone;
-  GemmRegion(kernels, x, W1(p, e, 0, inter), AccMatrix(gate, rows, inter), 0, rows, 0, inter, blocking, epilogue,
-             gather);
-  GemmRegion(kernels, x, W1(p, e, inter, inter), AccMatrix(up, rows, inter), 0, rows, 0, inter, blocking, {},
-             gather);
+  WeightProduct(kernels, a, W1(p, e, 0, inter), AccMatrix(gate, rows, inter), blocking, epilogue, gather);
+  WeightProduct(kernels, a, W1(p, e, inter, inter), AccMatrix(up, rows, inter), blocking, {}, gather);
+}
+
+// Rows row_map[0..rows) of x, copied into `dst` [rows, H] (contiguous).
+template <typename T>
+void GatherRows(const StridedView<2>& x, const int64_t* row_map, int64_t rows, T* dst) {
+  const int64_t hidden = x.sizes[1];
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = static_cast<const T*>(x.data) + row_map[r] * x.strides[0];
+    if (x.strides[1] == 1) {
+      std::memcpy(dst + r * hidden, src, hidden * sizeof(T));
+    } else {
+      for (int64_t c = 0; c < hidden; ++c) dst[r * hidden + c] = src[c * x.strides[1]];
+    }
+  }
 }
 
 // Adds b1[e] to the raw gate|up product (when there is a bias).
@@ -194,7 +239,15 @@ void GatedUpProjection(const GemmKernels& kernels, const FusedExpertsParams& p, 
   const int64_t inter = p.w2.sizes[1];
   A* gate = lease.Get<A>(kGateSlot, rows * inter);
   A* up = lease.Get<A>(kUpSlot, rows * inter);
-  GateUpProduct(kernels, p, e, row_map, rows, blocking, /*activate=*/true, gate, up);
+  ConstMatrix x{p.x.data, p.x.dtype, rows, p.x.sizes[1], p.x.strides[0], p.x.strides[1]};
+  if (StridedColumns(W1(p, e, 0, inter))) {
+    // The transposed product reads x's rows as its B operand: gather them once.
+    T* rows_copy = lease.Get<T>(kXSlot, rows * p.x.sizes[1]);
+    GatherRows(p.x, row_map, rows, rows_copy);
+    x = {rows_copy, p.x.dtype, rows, p.x.sizes[1], p.x.sizes[1], 1};
+    row_map = nullptr;
+  }
+  GateUpProduct(kernels, p, e, x, row_map, blocking, /*activate=*/true, gate, up);
   const bool biased = p.w1_bias.data != nullptr;
   AddGateUpBias(p, e, rows, gate, up);
   for (int64_t i = 0; i < rows * inter; ++i) {
@@ -240,7 +293,7 @@ Status FusedExperts(const FusedExpertsParams& p, const FusedExpertsConfig& confi
       GatedUpProjection<T>(*kernels, p, task.expert, &routing.token[task.row0], rows, blocking, lease, h);
       const ConstMatrix hm{h, p.x.dtype, rows, inter, inter, 1};
       A* y_rows = &y[task.row0 * hidden];
-      GemmRegion(*kernels, hm, W2(p, task.expert), AccMatrix(y_rows, rows, hidden), 0, rows, 0, hidden, blocking);
+      WeightProduct(*kernels, hm, W2(p, task.expert), AccMatrix(y_rows, rows, hidden), blocking);
       if (p.w2_bias.data != nullptr) {
         for (int64_t c = 0; c < hidden; ++c) {
           const A b = static_cast<A>(LoadAny(p.w2_bias.At(task.expert, c), p.w2_bias.dtype));
@@ -291,7 +344,6 @@ Status FusedExpertsBackward(const FusedExpertsParams& p, const FusedExpertsConfi
     LargeBuffer<T> wh(rows_total * inter, LargeBuffer<T>::kUninitialized);
     LargeBuffer<T> dpre(rows_total * 2 * inter, LargeBuffer<T>::kUninitialized);
     LargeBuffer<A> dxs(rows_total * hidden, LargeBuffer<A>::kUninitialized);
-    const ConstMatrix dout_m{p.dout.data, dtype, 0, hidden, p.dout.strides[0], p.dout.strides[1]};
     RunTasks(static_cast<int64_t>(tasks.size()), [&](int64_t index) {
       const Task& task = tasks[index];
       const int64_t e = task.expert, rows = task.row1 - task.row0;
@@ -300,28 +352,20 @@ Status FusedExpertsBackward(const FusedExpertsParams& p, const FusedExpertsConfi
       A* gate = lease.Get<A>(kGateSlot, rows * inter);
       A* up = lease.Get<A>(kUpSlot, rows * inter);
       A* grad = lease.Get<A>(kGradSlot, rows * inter);
-      GateUpProduct(*kernels, p, e, row_map, rows, blocking, /*activate=*/false, gate, up);
+      GatherRows(p.x, row_map, rows, &xg[task.row0 * hidden]);
+      GatherRows(p.dout, row_map, rows, &doutg[task.row0 * hidden]);
+      const ConstMatrix x_rows{&xg[task.row0 * hidden], dtype, rows, hidden, hidden, 1};
+      const ConstMatrix dout_rows{&doutg[task.row0 * hidden], dtype, rows, hidden, hidden, 1};
+      GateUpProduct(*kernels, p, e, x_rows, nullptr, blocking, /*activate=*/false, gate, up);
       AddGateUpBias(p, e, rows, gate, up);
-      ConstMatrix dout_rows = dout_m;
-      dout_rows.rows = rows;
-      GemmPrologue gather;
-      gather.a_row_map = row_map;
-      GemmRegion(*kernels, dout_rows, W2T(p, e), AccMatrix(grad, rows, inter), 0, rows, 0, inter, blocking, {},
-                 gather);
+      WeightProduct(*kernels, dout_rows, W2T(p, e), AccMatrix(grad, rows, inter), blocking);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t s = task.row0 + r, flat = routing.order[s], t = flat / k, j = flat % k;
         const A w = static_cast<A>(LoadAny(p.topk_weights.At(t, j), p.topk_weights.dtype));
-        const T* x_row = static_cast<const T*>(p.x.data) + t * p.x.strides[0];
-        const T* dout_row = static_cast<const T*>(p.dout.data) + t * p.dout.strides[0];
-        for (int64_t c = 0; c < hidden; ++c) {
-          xg[s * hidden + c] = x_row[c * p.x.strides[1]];
-          doutg[s * hidden + c] = dout_row[c * p.dout.strides[1]];
-        }
         A dw = 0;
         if (p.w2_bias.data != nullptr) {
           for (int64_t c = 0; c < hidden; ++c) {
-            dw += Load(dout_row + c * p.dout.strides[1]) *
-                  static_cast<A>(LoadAny(p.w2_bias.At(e, c), p.w2_bias.dtype));
+            dw += Load(&doutg[s * hidden + c]) * static_cast<A>(LoadAny(p.w2_bias.At(e, c), p.w2_bias.dtype));
           }
         }
         A hg = 0;
@@ -338,8 +382,7 @@ Status FusedExpertsBackward(const FusedExpertsParams& p, const FusedExpertsConfi
         StoreAny(p.dtopk_weights.At(t, j), p.dtopk_weights.dtype, static_cast<double>(dw + hg));
       }
       const ConstMatrix dpre_rows{&dpre[task.row0 * 2 * inter], dtype, rows, 2 * inter, 2 * inter, 1};
-      GemmRegion(*kernels, dpre_rows, W1T(p, e), AccMatrix(&dxs[task.row0 * hidden], rows, hidden), 0, rows, 0,
-                 hidden, blocking);
+      WeightProduct(*kernels, dpre_rows, W1T(p, e), AccMatrix(&dxs[task.row0 * hidden], rows, hidden), blocking);
     });
     // Weight gradients: one task per (expert, column block), each summing all the expert's rows in
     // sorted order (an expert with no rows gets K = 0: exact zeros).
@@ -362,7 +405,7 @@ Status FusedExpertsBackward(const FusedExpertsParams& p, const FusedExpertsConfi
         const ConstMatrix a{&xg[r0 * hidden], dtype, hidden, rows, 1, hidden};
         const ConstMatrix b{&dpre[r0 * 2 * inter], dtype, rows, 2 * inter, 2 * inter, 1};
         const MutableMatrix c{p.dw1.At(e, 0, 0), p.dw1.dtype, hidden, 2 * inter, p.dw1.strides[1], p.dw1.strides[2]};
-        GemmRegion(*kernels, a, b, c, 0, hidden, task.n0, task.n1, blocking);
+        WeightGradProduct(*kernels, a, b, c, task.n0, task.n1, blocking);
         if (p.dw1_bias.data != nullptr) {
           for (int64_t n = task.n0; n < task.n1; ++n) {
             A sum = 0;
@@ -374,7 +417,7 @@ Status FusedExpertsBackward(const FusedExpertsParams& p, const FusedExpertsConfi
         const ConstMatrix a{&wh[r0 * inter], dtype, inter, rows, 1, inter};
         const ConstMatrix b{&doutg[r0 * hidden], dtype, rows, hidden, hidden, 1};
         const MutableMatrix c{p.dw2.At(e, 0, 0), p.dw2.dtype, inter, hidden, p.dw2.strides[1], p.dw2.strides[2]};
-        GemmRegion(*kernels, a, b, c, 0, inter, task.n0, task.n1, blocking);
+        WeightGradProduct(*kernels, a, b, c, task.n0, task.n1, blocking);
         if (p.dw2_bias.data != nullptr) {
           for (int64_t n = task.n0; n < task.n1; ++n) {
             A sum = 0;
