@@ -119,11 +119,16 @@ def test_logits_and_gradients_match_eager(name, dtype, fused_experts_calls):
     _assert_gradients_close(grads, ref_grads, dtype)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("name", MODELS)
-def test_generate_greedy_tokens_match_eager(name, fused_experts_calls):
+def test_generate_greedy_tokens_match_eager(name, cache, fused_experts_calls):
+    """A dynamic cache grows with the tokens; a static one is longer than them from the prefill on
+    (top-left causal with S > T there, a materialised mask in decode)."""
     model = _model(name)
     ids, mask = _inputs(length=8, pad=2)
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
     with torch.no_grad():
         ref = model.generate(ids, **kwargs)
         tt.apply(model)
@@ -147,6 +152,21 @@ def test_whole_model_compiles_fullgraph(name, backend):
     logits, grads = _run(model, ids, mask, cotangent, call=compiled)
     torch.testing.assert_close(logits[valid], eager_logits[valid], rtol=1e-4, atol=1e-5)
     _assert_gradients_close(grads, eager_grads, torch.float32)
+
+
+def test_compiles_with_dynamic_shapes():
+    """One graph serves several sequence lengths (the ops' meta kernels take symbolic sizes)."""
+    from torch._dynamo.utils import counters
+
+    model = tt.apply(_model("qwen3_moe"))
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager")
+    counters.clear()
+    with torch.no_grad():
+        for length in (10, 14):
+            ids = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
+            torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits,
+                                       rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_models_built_with_the_tokamax_implementations():
