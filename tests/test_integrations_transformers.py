@@ -16,7 +16,7 @@ VOCAB = 96
 
 
 @pytest.fixture(autouse=True)
-def fused_experts_calls(monkeypatch):
+def op_calls(monkeypatch):
     """Counts the backends' calls of our ops, so a test sees they ran."""
     calls = {"dot_product_attention": 0, "fused_experts": 0}
     for name in calls:
@@ -93,7 +93,7 @@ MODELS = ["mixtral", "qwen3_moe", "llama"]
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_logits_and_gradients_match_eager(name, dtype, fused_experts_calls):
+def test_logits_and_gradients_match_eager(name, dtype, op_calls):
     # bf16 routes every token to every expert: rounding noise could otherwise flip an expert
     # choice between the two runs and the comparison would measure that, not the backends.
     model = _model(name, dtype, dense_routing=dtype == torch.bfloat16)
@@ -103,25 +103,26 @@ def test_logits_and_gradients_match_eager(name, dtype, fused_experts_calls):
     # own way (eager: a uniform average; tokamax: zeros), and no valid position reads them.
     cotangent = torch.randn(*ids.shape, VOCAB, generator=torch.Generator().manual_seed(2)) * valid[..., None]
     ref_logits, ref_grads = _run(model, ids, mask, cotangent)
-    assert fused_experts_calls == {"dot_product_attention": 0, "fused_experts": 0}
+    assert op_calls == {"dot_product_attention": 0, "fused_experts": 0}
     tt.apply(model)
     assert model.config._attn_implementation == "tokamax"
     logits, grads = _run(model, ids, mask, cotangent)
     layers = model.config.num_hidden_layers
-    assert fused_experts_calls["dot_product_attention"] == layers  # one forward call per layer
-    assert fused_experts_calls["fused_experts"] == (0 if name == "llama" else layers)
+    assert op_calls["dot_product_attention"] == layers  # one forward call per layer
+    assert op_calls["fused_experts"] == (0 if name == "llama" else layers)
 
     if dtype == torch.float32:
         torch.testing.assert_close(logits[valid], ref_logits[valid], rtol=1e-4, atol=1e-5)
     else:
         scale = ref_logits[valid].float().abs().max()
         assert (logits[valid].float() - ref_logits[valid].float()).abs().max() <= 3e-2 * scale
+    assert ref_grads.keys() == {pname for pname, _ in model.named_parameters()}  # every parameter
     _assert_gradients_close(grads, ref_grads, dtype)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("name", MODELS)
-def test_generate_greedy_tokens_match_eager(name, cache, fused_experts_calls):
+def test_generate_greedy_tokens_match_eager(name, cache, op_calls):
     """A dynamic cache grows with the tokens; a static one is longer than them from the prefill on
     (top-left causal with S > T there, a materialised mask in decode)."""
     model = _model(name)
@@ -135,7 +136,7 @@ def test_generate_greedy_tokens_match_eager(name, cache, fused_experts_calls):
         got = model.generate(ids, **kwargs)
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     # prefill plus one decode step per new token but the last, in each layer
-    assert fused_experts_calls["dot_product_attention"] == model.config.num_hidden_layers * 6
+    assert op_calls["dot_product_attention"] == model.config.num_hidden_layers * 6
 
 
 @pytest.mark.parametrize("name, backend", [*((name, "aot_eager") for name in MODELS), ("qwen3_moe", "inductor")])
