@@ -130,7 +130,7 @@ void RunTasks(int64_t count, const Body& body) {
 
 GemmBlocking BlockingOf(const FusedExpertsConfig& config) {
   GemmBlocking blocking;
-  blocking.block_m = RoundUp(std::min<int64_t>(config.task_rows, 96), kGemmMr);
+  blocking.block_m = 144;  // ragged_dot's measured default (rows of A packed at once)
   blocking.block_k = config.block_k;
   blocking.block_n = config.block_n;
   return blocking;
@@ -154,11 +154,28 @@ MutableMatrix AccMatrix(A* data, int64_t rows, int64_t cols) {
   return {data, std::is_same_v<A, double> ? DType::kFloat64 : DType::kFloat32, rows, cols, cols, 1};
 }
 
-// C = A · B for a block of one expert's rows, B an expert weight read in place (any strides). The
-// GEMM's B packer reads a weight whose rows are contiguous and columns strided (a transposed view,
-// Hugging Face's layout) along strided memory: 2-4x slower in fp32 (measured on the benchmark's
-// shapes). There the product runs as Cᵀ = Bᵀ · Aᵀ, the weight as the A operand, whose packer reads
-// its contiguous rows, and the small block of activations as B. The epilogue must be elementwise.
+// dst[j][i] = src[i][j] for src [rows, cols] contiguous and dst any strides, in 32 x 32 tiles.
+template <typename A>
+void TransposeInto(const A* src, int64_t rows, int64_t cols, A* dst, int64_t dst_row_stride, int64_t dst_col_stride) {
+  constexpr int64_t kTile = 32;
+  for (int64_t j0 = 0; j0 < cols; j0 += kTile) {
+    for (int64_t i0 = 0; i0 < rows; i0 += kTile) {
+      const int64_t i1 = std::min(i0 + kTile, rows), j1 = std::min(j0 + kTile, cols);
+      for (int64_t j = j0; j < j1; ++j) {
+        for (int64_t i = i0; i < i1; ++i) dst[j * dst_row_stride + i * dst_col_stride] = src[i * cols + j];
+      }
+    }
+  }
+}
+
+// C = A · B for a block of one expert's rows, B an expert weight read in place (any strides), C
+// fp32 (float64 for float64). The GEMM's B packer reads a weight whose rows are contiguous and
+// columns strided (a transposed view, Hugging Face's layout) along strided memory: 2-4x slower in
+// fp32 (measured on the benchmark's shapes). There the product runs as Cᵀ = Bᵀ · Aᵀ, the weight
+// as the A operand, whose packer reads its contiguous rows, and the block of activations as B;
+// Cᵀ lands in contiguous scratch (storing it through C's strides cost as much as the bf16
+// products: perf, T=4096 H=1024 I=2816 E=16) and is transposed into C in tiles. The epilogue
+// must be elementwise.
 bool StridedColumns(const ConstMatrix& b) { return b.col_stride != 1 && b.row_stride == 1; }
 
 void WeightProduct(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c,
@@ -169,8 +186,22 @@ void WeightProduct(const GemmKernels& kernels, const ConstMatrix& a, const Const
   }
   const ConstMatrix bt{b.data, b.dtype, b.cols, b.rows, b.col_stride, b.row_stride};
   const ConstMatrix at{a.data, a.dtype, a.cols, a.rows, a.col_stride, a.row_stride};
-  const MutableMatrix ct{c.data, c.dtype, c.cols, c.rows, c.col_stride, c.row_stride};
-  GemmRegion(kernels, bt, at, ct, 0, bt.rows, 0, at.cols, blocking, epilogue);
+  // All the block's rows in one packed column block, so each weight panel is packed once.
+  GemmBlocking whole = blocking;
+  whole.block_n = std::max(blocking.block_n, RoundUp(at.cols, kGemmNr));
+  ScratchLease lease;
+  auto run = [&](auto* tmp) {
+    using A = std::remove_pointer_t<decltype(tmp)>;
+    tmp = lease.Get<A>(0, bt.rows * at.cols);
+    const MutableMatrix ct{tmp, c.dtype, bt.rows, at.cols, at.cols, 1};
+    GemmRegion(kernels, bt, at, ct, 0, bt.rows, 0, at.cols, whole, epilogue);
+    TransposeInto(tmp, bt.rows, at.cols, static_cast<A*>(c.data), c.row_stride, c.col_stride);
+  };
+  if (c.dtype == DType::kFloat64) {
+    run(static_cast<double*>(nullptr));
+  } else {
+    run(static_cast<float*>(nullptr));
+  }
 }
 
 // C[:, n0:n1] = A · B[:, n0:n1] for a weight gradient C laid out as its weight. A gradient of a
