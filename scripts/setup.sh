@@ -26,7 +26,8 @@ fi
 stamp=.venv/.tokamax-deps
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0" setuptools wheel \
-      pytest numpy hypothesis tqdm matplotlib expecttest
+      pytest numpy hypothesis tqdm matplotlib expecttest \
+      "transformers==5.25.0"  # tests/test_integrations_transformers.py (the optional extra)
   touch "$stamp"
 fi
 # --no-build-isolation: build against the torch in .venv, never a freshly downloaded one.

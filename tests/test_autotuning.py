@@ -366,7 +366,11 @@ from tokamax_torch import autotune
 assert spelled_out is function and autotune is function
 assert isinstance(sys.modules["tokamax_torch.autotune"], types.ModuleType)
 public = {name: getattr(tokamax_torch, name) for name in tokamax_torch.__all__}
+import importlib.util
 for info in pkgutil.walk_packages(tokamax_torch.__path__, "tokamax_torch."):
+    # an integration module imports its optional library (tokamax_torch.integrations.transformers)
+    if info.name.startswith("tokamax_torch.integrations.") and importlib.util.find_spec(info.name.rsplit(".", 1)[1]) is None:
+        continue
     if not info.name.endswith("._C"):
         importlib.import_module(info.name)
 changed = [name for name, value in public.items() if getattr(tokamax_torch, name) is not value]
