@@ -94,14 +94,29 @@ Status KvCacheUpdate(const KvCacheUpdateParams& p) {
   const int64_t k0 = p.keys.strides[0] * element, k1 = p.keys.strides[1] * element, k2 = p.keys.strides[2];
   const int64_t v0 = p.values.strides[0] * element, v1 = p.values.strides[1] * element, v2 = p.values.strides[2];
   const KvCacheSlots slots = p.slots;
+  const int64_t row_bytes = d * element;
+  auto slot_row = [=](int64_t slot) {
+    return cache + (slot / page_size) * page_stride + (slot % page_size) * slot_stride;
+  };
   auto copy_tokens = [=](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t];
       if (slot < 0) continue;
-      char* dst = cache + (slot / page_size) * page_stride + (slot % page_size) * slot_stride;
+      char* dst = slot_row(slot);
       const char* key = keys + t * k0;
       const char* value = values + t * v0;
+      // The next token's destination asked for (for writing) beside this token's copies: its slot
+      // is a random 4 KiB in a cold cache, which no hardware prefetcher predicts (measured with
+      // fresh slots and flushed caches: 512 tokens 218 -> 184 us, 64 tokens 45.6 -> 42.2 us).
+      const int64_t next_slot = t + 1 < end ? slots[t + 1] : -1;
+      char* next = next_slot >= 0 ? slot_row(next_slot) : nullptr;
       for (int64_t h = 0; h < heads; ++h) {
+        if (next != nullptr) {
+          for (int64_t b = 0; b < row_bytes; b += 64) {
+            __builtin_prefetch(next + 2 * h * head_stride + b, 1, 3);
+            __builtin_prefetch(next + (2 * h + 1) * head_stride + b, 1, 3);
+          }
+        }
         CopyRow(dst + 2 * h * head_stride, key + h * k1, d, k2, element);
         CopyRow(dst + (2 * h + 1) * head_stride, value + h * v1, d, v2, element);
       }
