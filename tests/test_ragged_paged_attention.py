@@ -212,6 +212,30 @@ def test_a_decode_step_compiles_without_copying_the_cache():
     assert not copies_in_code(codes, [compiled.cache]), copies_in_code(codes, [compiled.cache])
 
 
+def test_a_new_sequence_count_does_not_recompile():
+    # The op adds no guard on S (kv_lens [S], page_indices [S * pages_per_seq], cu_q_lens [S + 1]):
+    # one graph for S = 2..9, T and the page count varying too. Duck sizing is off because it is
+    # Dynamo's, not the op's: at trace time it gives equal sizes one symbol and guards that they
+    # stay equal, so S = 2 beside Hkv = 2, S + 1 = 3 beside distribution's [3], or a decode
+    # step's T = S recompile at the next S whatever the op does (docs/design.md, "Buffer donation";
+    # a server pads its batch or marks such tensors static, as examples/serve_demo.py does).
+    # S = 1 is left out: Dynamo specializes sizes 0 and 1 itself.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(lambda *a: rpa.kernel(*a), backend=counter, fullgraph=True, dynamic=True)
+    with torch.fx.experimental._config.patch(use_duck_shape=False):
+        for seqs in (2, 3, 5, 9):
+            q_lens = (1,) * (seqs - 1) + (5,)
+            args = problem(q_lens=q_lens, kv_lens=tuple(range(10, 9 + seqs)) + (17,), pages_per_seq=7,
+                           page_size=4, extra_pages=1, seed=seqs)
+            cache = args[3].clone()
+            want, want_cache = rpa.kernel(*args[:3], cache, *args[4:])
+            got, got_cache = compiled(*args)
+            assert bits_equal(got, want) and bits_equal(got_cache, want_cache), f"S = {seqs}"
+    assert counter.frame_count == 1, "one graph for every sequence count"
+
+
 # ---- the contract ----------------------------------------------------------------------------
 
 def _sample(options=None, **kwargs):

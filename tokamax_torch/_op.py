@@ -279,8 +279,10 @@ class Op:
         results of its own, the pair (results, donated). Under torch.compile the mutation is
         functionalized and reinplaced: no copy (design.md)."""
         results = self._op(*schema_args)
-        donated = tuple(schema_args[i] for i in self._donated_positions)
-        donated = donated[0] if len(donated) == 1 else donated
+        positions = self._donated_positions
+        # One donated buffer (every op so far) without building a tuple: part of a decode-sized
+        # call's fixed cost.
+        donated = schema_args[positions[0]] if len(positions) == 1 else tuple(schema_args[i] for i in positions)
         return donated if results is None else (results, donated)
 
     def donated_outputs(self, result) -> tuple:

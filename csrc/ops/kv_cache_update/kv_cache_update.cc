@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "csrc/core/runtime/parallel.h"
@@ -31,9 +30,9 @@ void CopyRow(char* dst, const char* src, int64_t d, int64_t src_stride, int64_t 
 
 Status CheckKvCacheSlots(const KvCacheSlots& slots, int64_t num_slots) {
   // Range, and whether the valid slots already increase (prefill writes consecutive slots;
-  // decode one per sequence, usually in order): then there is no duplicate and no sort.
+  // decode one per sequence, usually in order): then there is no duplicate to look for.
   bool increasing = true;
-  int64_t last = -1;
+  int64_t last = -1, valid = 0;
   for (int64_t t = 0; t < slots.count; ++t) {
     const int64_t slot = slots[t];
     if (slot < -1 || slot >= num_slots) {
@@ -43,18 +42,36 @@ Status CheckKvCacheSlots(const KvCacheSlots& slots, int64_t num_slots) {
     if (slot == -1) continue;
     increasing = increasing && slot > last;
     last = slot;
+    ++valid;
   }
   if (increasing) return Status::Ok();
-  std::vector<std::pair<int64_t, int64_t>> sorted;  // (slot, token)
-  sorted.reserve(static_cast<size_t>(slots.count));
-  for (int64_t t = 0; t < slots.count; ++t) {
-    if (slots[t] != -1) sorted.emplace_back(slots[t], t);
+  // Duplicates through an open-addressing set of the valid slots (at most half full): O(T), and
+  // for a decode batch on the stack, no allocation at the fixed cost of a small call. The tokens
+  // of a repeated slot are looked up only to name them in the error.
+  constexpr int64_t kOnStack = 1024;
+  int64_t capacity = 16;
+  while (capacity < 2 * valid) capacity *= 2;
+  int64_t on_stack[kOnStack];
+  std::vector<int64_t> on_heap;
+  int64_t* table = on_stack;
+  if (capacity > kOnStack) {
+    on_heap.resize(static_cast<size_t>(capacity));
+    table = on_heap.data();
   }
-  std::sort(sorted.begin(), sorted.end());
-  for (size_t i = 1; i < sorted.size(); ++i) {
-    if (sorted[i].first == sorted[i - 1].first) {
-      return Status::Error(DuplicateError(sorted[i].first, sorted[i - 1].second, sorted[i].second));
+  std::fill(table, table + capacity, int64_t{-1});
+  const int shift = 64 - __builtin_ctzll(static_cast<uint64_t>(capacity));
+  for (int64_t t = 0; t < slots.count; ++t) {
+    const int64_t slot = slots[t];
+    if (slot == -1) continue;
+    // Fibonacci hashing: the top bits of slot * 2^64 / phi.
+    uint64_t i = (static_cast<uint64_t>(slot) * 0x9E3779B97F4A7C15ull) >> shift;
+    while (table[i] != -1 && table[i] != slot) i = (i + 1) & static_cast<uint64_t>(capacity - 1);
+    if (table[i] == slot) {
+      int64_t first = 0;
+      while (slots[first] != slot) ++first;
+      return Status::Error(DuplicateError(slot, first, t));
     }
+    table[i] = slot;
   }
   return Status::Ok();
 }
@@ -67,21 +84,47 @@ Status KvCacheUpdate(const KvCacheUpdateParams& p) {
   const int64_t element = DTypeSize(p.cache.dtype);
   const int64_t token_bytes = 2 * heads * d * element;
   if (p.slots.count == 0 || token_bytes == 0) return Status::Ok();
-  // ~64 KiB written per task: enough to pay for a task, fine enough to spread decode batches.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{64} << 10) / token_bytes);
-  ParallelFor(0, p.slots.count, grain, [&](int64_t begin, int64_t end) {
+  // Everything the copy loop reads, in locals: through the params the compiler reloads each
+  // field after every memcpy (it may alias them), which perf showed as much time as the copies.
+  char* const cache = static_cast<char*>(p.cache.data);
+  const int64_t page_stride = p.cache.strides[0] * element, slot_stride = p.cache.strides[1] * element;
+  const int64_t head_stride = p.cache.strides[2] * element;
+  const char* const keys = static_cast<const char*>(p.keys.data);
+  const char* const values = static_cast<const char*>(p.values.data);
+  const int64_t k0 = p.keys.strides[0] * element, k1 = p.keys.strides[1] * element, k2 = p.keys.strides[2];
+  const int64_t v0 = p.values.strides[0] * element, v1 = p.values.strides[1] * element, v2 = p.values.strides[2];
+  const KvCacheSlots slots = p.slots;
+  const int64_t row_bytes = d * element;
+  auto slot_row = [=](int64_t slot) {
+    return cache + (slot / page_size) * page_stride + (slot % page_size) * slot_stride;
+  };
+  auto copy_tokens = [=](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t slot = p.slots[t];
+      const int64_t slot = slots[t];
       if (slot < 0) continue;
-      const int64_t page = slot / page_size, offset = slot % page_size;
+      char* dst = slot_row(slot);
+      const char* key = keys + t * k0;
+      const char* value = values + t * v0;
+      // The next token's destination asked for (for writing) beside this token's copies: its slot
+      // is a random 4 KiB in a cold cache, which no hardware prefetcher predicts (measured with
+      // fresh slots and flushed caches: 512 tokens 218 -> 184 us, 64 tokens 45.6 -> 42.2 us).
+      const int64_t next_slot = t + 1 < end ? slots[t + 1] : -1;
+      char* next = next_slot >= 0 ? slot_row(next_slot) : nullptr;
       for (int64_t h = 0; h < heads; ++h) {
-        CopyRow(static_cast<char*>(p.cache.At(page, offset, 2 * h, 0)), static_cast<const char*>(p.keys.At(t, h, 0)),
-                d, p.keys.strides[2], element);
-        CopyRow(static_cast<char*>(p.cache.At(page, offset, 2 * h + 1, 0)),
-                static_cast<const char*>(p.values.At(t, h, 0)), d, p.values.strides[2], element);
+        if (next != nullptr) {
+          for (int64_t b = 0; b < row_bytes; b += 64) {
+            __builtin_prefetch(next + 2 * h * head_stride + b, 1, 3);
+            __builtin_prefetch(next + (2 * h + 1) * head_stride + b, 1, 3);
+          }
+        }
+        CopyRow(dst + 2 * h * head_stride, key + h * k1, d, k2, element);
+        CopyRow(dst + (2 * h + 1) * head_stride, value + h * v1, d, v2, element);
       }
     }
-  });
+  };
+  // ~64 KiB written per task: enough to pay for a task, fine enough to spread decode batches.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{64} << 10) / token_bytes);
+  ParallelFor(0, p.slots.count, grain, copy_tokens);
   return Status::Ok();
 }
 

@@ -95,7 +95,7 @@ TEST(KvCacheUpdateTest, BadSlotsAreErrorsAndWriteNothing) {
   } cases[] = {
       {{4, -1, 21, 0, 13, 7}, "slot_mapping[2] must be -1 (skip) or in [0, 21) (total_pages * page_size), got 21"},
       {{4, -2, 20, 0, 13, 7}, "slot_mapping[1] must be -1 (skip) or in [0, 21)"},
-      {{4, -1, 20, 0, 13, 4}, "got slot 4 for tokens 0 and 5"},  // unsorted: found by the sort
+      {{4, -1, 20, 0, 13, 4}, "got slot 4 for tokens 0 and 5"},  // unsorted: found by the set
       {{1, 2, 2, -1, -1, -1}, "got slot 2 for tokens 1 and 2"},
   };
   for (const auto& c : cases) {
@@ -115,6 +115,21 @@ TEST(KvCacheUpdateTest, CheckSlotsAcceptsPaddingAndEmpty) {
   EXPECT_TRUE(CheckKvCacheSlots(view, 4).ok());
   view.count = 0;
   EXPECT_TRUE(CheckKvCacheSlots(view, 0).ok());
+}
+
+// The duplicate set past its on-stack size (a heap table), and slots that collide in it: a
+// duplicate anywhere is found, distinct slots never are.
+TEST(KvCacheUpdateTest, CheckSlotsFindsDuplicatesInLargeShuffledSets) {
+  const int64_t count = 3000, num_slots = int64_t{1} << 40;
+  std::vector<int64_t> slots(static_cast<size_t>(count));
+  // Multiples of a power of two in reverse order: never increasing, many equal low bits.
+  for (int64_t t = 0; t < count; ++t) slots[static_cast<size_t>(t)] = (count - t) << 20;
+  KvCacheSlots view{slots.data(), true, count, 1};
+  EXPECT_TRUE(CheckKvCacheSlots(view, num_slots).ok());
+  slots[2999] = slots[17];
+  const Status status = CheckKvCacheSlots(view, num_slots);
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("for tokens 17 and 2999"), std::string::npos) << status.message();
 }
 
 }  // namespace

@@ -165,7 +165,6 @@ void RunTask(const RaggedPagedAttentionParams& p, const RaggedPagedAttentionConf
   auto row_at = [&](int64_t pos, int64_t merged) -> const void* {
     return p.kv_cache.At(p.page_indices[task.seq * pages_per_seq + pos / page_size], pos % page_size, merged, 0);
   };
-  const int64_t row_bytes = d * DTypeSize(kv_dtype), ld_bytes = ld * DTypeSize(kv_dtype);
   // for_runs(s0, s1, which, run): run(g, rows, keys, st row, pos) for every run of kRunKeys keys
   // at position pos of the tile [s0, s1) (runs stop at page ends), every kv head of a run before
   // the next run.
@@ -184,21 +183,19 @@ void RunTask(const RaggedPagedAttentionParams& p, const RaggedPagedAttentionConf
     }
   };
   // Prefetching: a head's rows are a cache row apart (2 * Hkv * D elements) and pages are
-  // scattered, so the hardware prefetchers find nothing to follow; the K pass asks for the run's
-  // V rows at once (read by the V pass from L2) and, through the row products' `next`, for the
-  // head's next K run; the V pass for the next tile's K rows at the same offset.
+  // scattered, so the hardware prefetchers find nothing to follow. The row products ask for
+  // `next` as they go, one request beside each vector they load (a burst of requests stalls on
+  // the fill buffers): the K pass for the run's V rows (the adjacent merged head), the V pass for
+  // the next tile's K rows at the same offset.
   auto next_k = [&](int64_t following, int64_t g) -> const void* {
     return following < k_hi ? row_at(following, 2 * g) : nullptr;
   };
+  const int64_t v_offset = static_cast<const char*>(p.kv_cache.At(0, 0, 1, 0)) -
+                           static_cast<const char*>(p.kv_cache.At(0, 0, 0, 0));
   for (int64_t t0 = k_lo / block * block; t0 < k_hi; t0 += block) {
     const int64_t s0 = std::max(t0, k_lo), s1 = std::min(t0 + block, k_hi), keys = s1 - s0;
-    for_runs(s0, s1, 0, [&](int64_t g, const void* key, int64_t n, int64_t j, int64_t pos) {
-      const char* value = static_cast<const char*>(p.kv_cache.At(0, 0, 1, 0)) -
-                          static_cast<const char*>(p.kv_cache.At(0, 0, 0, 0)) + static_cast<const char*>(key);
-      for (int64_t r = 0; r < n; ++r) {
-        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(value + r * ld_bytes + b, 0, 2);
-      }
-      const void* next = next_k(pos + n, g);
+    for_runs(s0, s1, 0, [&](int64_t g, const void* key, int64_t n, int64_t j, int64_t) {
+      const void* next = static_cast<const char*>(key) + v_offset;
       const int64_t base = (g - task.g0) * per_head;
       for (int64_t c0 = 0; c0 < per_head; c0 += kRows) {
         const int64_t count = std::min(kRows, per_head - c0);
