@@ -200,6 +200,20 @@ void WeightGradProduct(const GemmKernels& kernels, const ConstMatrix& a, const C
   GemmRegion(kernels, bt, at, ct, n0, n1, 0, at.cols, blocking);
 }
 
+// Rows row_map[0..rows) of x, copied into `dst` [rows, H] (contiguous).
+template <typename T>
+void GatherRows(const StridedView<2>& x, const int64_t* row_map, int64_t rows, T* dst) {
+  const int64_t hidden = x.sizes[1];
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = static_cast<const T*>(x.data) + row_map[r] * x.strides[0];
+    if (x.strides[1] == 1) {
+      std::memcpy(dst + r * hidden, src, hidden * sizeof(T));
+    } else {
+      for (int64_t c = 0; c < hidden; ++c) dst[r * hidden + c] = src[c * x.strides[1]];
+    }
+  }
+}
+
 // A [E, N] bias as fp32 (the gated epilogue's bias type); empty without one.
 std::vector<float> BiasFloat(const StridedView<2>& bias) {
   std::vector<float> out;
@@ -246,8 +260,56 @@ void GatedProjection(const GemmKernels& kernels, const FusedExpertsParams& p, co
     gate.gate_out = {pre_rows, dtype, rows, inter, 2 * inter, 1};
     gate.up_out = {pre_rows + inter, dtype, rows, inter, 2 * inter, 1};
   }
-  const MutableMatrix hm{h + task.row0 * inter, dtype, rows, inter, inter, 1};
-  GemmRegion(kernels, x, W1(p, e, 0, inter), hm, 0, rows, task.col0, task.col1, blocking, epilogue, gather);
+  // The task's columns as a [0, width) range of shifted views (B, up, C and the pre-activations).
+  const int64_t width = task.col1 - task.col0;
+  ConstMatrix b = W1(p, e, task.col0, width);
+  gate.up = W1(p, e, inter + task.col0, width);
+  if (epilogue.bias != nullptr) {
+    epilogue.bias += task.col0;
+    gate.up_bias += task.col0;
+  }
+  if (pre_rows != nullptr) {
+    gate.gate_out.data = pre_rows + task.col0;
+    gate.up_out.data = pre_rows + inter + task.col0;
+    gate.gate_out.cols = gate.up_out.cols = width;
+  }
+  // The fp32 micro-kernels pack B along its rows, so a transposed weight view (contiguous along
+  // H, Hugging Face's layout) is packed one strided element at a time, once per task. With few
+  // rows per task that packing dominates (perf, T=512 H=2048 I=1408 E=64 fp32, ~48 rows: the
+  // packer took more samples than the products, forward 318 -> 400 ms; copying the columns into
+  // rows first cost more, 560 ms, one more pass over 1.5 GB of weights). There the two products
+  // run as WeightProduct's Cᵀ = Bᵀ·Aᵀ (the weight's rows read by the A packer) and the GLU
+  // after them (335 ms); with many rows the gated product wins (T=4096 H=1024 I=2816 E=16, ~512
+  // rows: 520 ms gated against 590 ms). The bf16 engine's packer reads such columns as vectors.
+  constexpr int64_t kGatedStridedRows = 192;  // between the two measured cases
+  const bool bf16_engine = static_cast<bool>(kernels.bf16) && dtype == DType::kBFloat16;
+  if (StridedColumns(b) && !bf16_engine && !std::is_same_v<T, double> && rows < kGatedStridedRows) {
+    const int64_t hidden = b.rows;
+    T* x_rows = lease.Get<T>(1, rows * hidden);
+    GatherRows(p.x, gather.a_row_map, rows, x_rows);
+    const ConstMatrix xm{x_rows, dtype, rows, hidden, hidden, 1};
+    A* g = lease.Get<A>(2, rows * width);
+    A* u = lease.Get<A>(3, rows * width);
+    WeightProduct(kernels, xm, b, AccMatrix(g, rows, width), 0, width, blocking);
+    WeightProduct(kernels, xm, gate.up, AccMatrix(u, rows, width), 0, width, blocking);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < width; ++i) {
+        A gv = g[r * width + i], uv = u[r * width + i];
+        if (epilogue.bias != nullptr) {
+          gv += epilogue.bias[i];
+          uv += gate.up_bias[i];
+        }
+        if (pre_rows != nullptr) {
+          Store(pre_rows + r * 2 * inter + task.col0 + i, gv);
+          Store(pre_rows + r * 2 * inter + inter + task.col0 + i, uv);
+        }
+        Store(h + (task.row0 + r) * inter + task.col0 + i, Activate(p.activation, gv) * uv);
+      }
+    }
+    return;
+  }
+  const MutableMatrix hm{h + task.row0 * inter + task.col0, dtype, rows, width, inter, 1};
+  GemmRegion(kernels, x, b, hm, 0, rows, 0, width, blocking, epilogue, gather);
   if (!exact_bias) return;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t i = task.col0; i < task.col1; ++i) {
@@ -271,20 +333,6 @@ void GatedProjections(const GemmKernels& kernels, const FusedExpertsParams& p, c
   const std::vector<float> b1 = BiasFloat(p.w1_bias);
   const std::vector<Task> tasks = Tasks(routing, config.task_rows, p.w2.sizes[1], blocking.block_n);
   RunTasks(tasks, [&](const Task& task) { GatedProjection<T>(kernels, p, routing, task, blocking, b1, h, pre); });
-}
-
-// Rows row_map[0..rows) of x, copied into `dst` [rows, H] (contiguous).
-template <typename T>
-void GatherRows(const StridedView<2>& x, const int64_t* row_map, int64_t rows, T* dst) {
-  const int64_t hidden = x.sizes[1];
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* src = static_cast<const T*>(x.data) + row_map[r] * x.strides[0];
-    if (x.strides[1] == 1) {
-      std::memcpy(dst + r * hidden, src, hidden * sizeof(T));
-    } else {
-      for (int64_t c = 0; c < hidden; ++c) dst[r * hidden + c] = src[c * x.strides[1]];
-    }
-  }
 }
 
 Status Prepare(const FusedExpertsParams& p, const FusedExpertsConfig& config, const char* op, Routing* routing,
