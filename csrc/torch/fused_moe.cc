@@ -152,13 +152,20 @@ FusedExpertsParams ParamsOf(const Tensor& x, const Tensor& w1, const Tensor& w2,
   return params;
 }
 
+// With `residuals`, also the pre-activations the backward reads ([T*k, 2I] in x's dtype, rows in
+// the kernel's sorted order).
 Tensor RunExperts(const Tensor& x, const Tensor& w1, const Tensor& w2, const Tensor& topk_weights,
                   const Tensor& topk_ids, c10::string_view act_fn, const OptTensor& w1_bias, const OptTensor& w2_bias,
-                  const FusedExpertsConfig& config) {
+                  const FusedExpertsConfig& config, Tensor* residuals = nullptr) {
   Tensor out = at::empty(x.sizes(), x.options());
   AdviseHugePages(out);
   FusedExpertsParams params = ParamsOf(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias);
   params.out = MutableStridedViewOf<2>(out, "fused_experts");
+  if (residuals != nullptr) {
+    *residuals = at::empty({topk_ids.numel(), w1.size(2)}, x.options());
+    AdviseHugePages(*residuals);
+    params.residuals = residuals->data_ptr();
+  }
   const Status status = FusedExperts(params, config);
   TORCH_CHECK(status.ok(), status.message());
   return out;
@@ -172,7 +179,8 @@ Tensor GradLike(const Tensor& t) {
 
 Grads RunExpertsBackward(const Tensor& dout, const Tensor& x, const Tensor& w1, const Tensor& w2,
                          const Tensor& topk_weights, const Tensor& topk_ids, c10::string_view act_fn,
-                         const OptTensor& w1_bias, const OptTensor& w2_bias, const FusedExpertsConfig& config) {
+                         const OptTensor& w1_bias, const OptTensor& w2_bias, const FusedExpertsConfig& config,
+                         const OptTensor& residuals) {
   TORCH_CHECK(dout.sizes() == x.sizes() && dout.scalar_type() == x.scalar_type(), "fused_experts backward: dout must be ",
               x.scalar_type(), ShapeString(x), ", got ", dout.scalar_type(), ShapeString(dout));
   constexpr const char* op = "fused_experts";
@@ -191,6 +199,14 @@ Grads RunExpertsBackward(const Tensor& dout, const Tensor& x, const Tensor& w1, 
   if (w1_bias) params.dw1_bias = MutableStridedViewOf<2>(db1, op);
   if (w2_bias) params.dw2_bias = MutableStridedViewOf<2>(db2, op);
   params.dtopk_weights = MutableStridedViewOf<2>(dtw, op);
+  if (residuals.has_value()) {
+    const Tensor& r = *residuals;
+    TORCH_CHECK(r.dim() == 2 && r.size(0) == topk_ids.numel() && r.size(1) == w1.size(2) &&
+                    r.scalar_type() == x.scalar_type() && r.is_contiguous(),
+                "fused_experts backward: residuals must be a contiguous ", x.scalar_type(), " [T*k, 2I] = [",
+                topk_ids.numel(), ", ", w1.size(2), "] tensor (the forward's), got ", r.scalar_type(), ShapeString(r));
+    params.residuals = const_cast<void*>(r.const_data_ptr());
+  }
   const Status status = FusedExpertsBackward(params, config);
   TORCH_CHECK(status.ok(), status.message());
   return {dx, dw1, dw2, db1, db2, dtw};
@@ -225,13 +241,14 @@ Tensor FusedExpertsCpu(const Tensor& x, const Tensor& w1, const Tensor& w2, cons
 
 Grads FusedExpertsBackwardCpu(const Tensor& dout, const Tensor& x, const Tensor& w1, const Tensor& w2,
                               const Tensor& topk_weights, const Tensor& topk_ids, c10::string_view act_fn,
-                              const OptTensor& w1_bias, const OptTensor& w2_bias, at::OptionalIntArrayRef config) {
+                              const OptTensor& w1_bias, const OptTensor& w2_bias, at::OptionalIntArrayRef config,
+                              const OptTensor& residuals) {
   const ExpertsConfigs configs =
       CheckFusedExpertsArgs(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias, config);
   const FusedExpertsConfig resolved = ConfigOrHeuristic<&FusedExpertsHeuristicConfig>(
       configs.forward, ShapeOf(x, w1, w2, topk_ids.size(1)), ToCoreDType(x.scalar_type(), "fused_experts"),
       FusedExpertsProduct::kBackward);
-  return RunExpertsBackward(dout, x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias, resolved);
+  return RunExpertsBackward(dout, x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias, resolved, residuals);
 }
 
 Tensor FusedExpertsMeta(const Tensor& x, const Tensor& w1, const Tensor& w2, const Tensor& topk_weights,
@@ -241,9 +258,39 @@ Tensor FusedExpertsMeta(const Tensor& x, const Tensor& w1, const Tensor& w2, con
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
+// The forward a backward will follow: also returns the pre-activations it saves.
+std::tuple<Tensor, Tensor> FusedExpertsTrainCpu(const Tensor& x, const Tensor& w1, const Tensor& w2,
+                                                const Tensor& topk_weights, const Tensor& topk_ids,
+                                                c10::string_view act_fn, const OptTensor& w1_bias,
+                                                const OptTensor& w2_bias, at::OptionalIntArrayRef config,
+                                                at::OptionalIntArrayRef bwd_config) {
+  const ExpertsConfigs configs =
+      CheckFusedExpertsArgs(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias, config, bwd_config);
+  const FusedExpertsConfig resolved = ConfigOrHeuristic<&FusedExpertsHeuristicConfig>(
+      configs.forward, ShapeOf(x, w1, w2, topk_ids.size(1)), ToCoreDType(x.scalar_type(), "fused_experts"),
+      FusedExpertsProduct::kForward);
+  Tensor residuals;
+  Tensor out = RunExperts(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias, resolved, &residuals);
+  return {out, residuals};
+}
+
+Tensor ResidualsMeta(const Tensor& x, const Tensor& w1, const c10::SymInt& topk) {
+  return at::empty_symint({x.sym_size(0) * topk, w1.sym_size(2)}, x.options());
+}
+
+std::tuple<Tensor, Tensor> FusedExpertsTrainMeta(const Tensor& x, const Tensor& w1, const Tensor& w2,
+                                                 const Tensor& topk_weights, const Tensor& topk_ids,
+                                                 c10::string_view act_fn, const OptTensor& w1_bias,
+                                                 const OptTensor& w2_bias, at::OptionalIntArrayRef config,
+                                                 at::OptionalIntArrayRef bwd_config) {
+  CheckFusedExpertsArgs(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias, config, bwd_config);
+  return {at::empty_symint(x.sym_sizes(), x.options()), ResidualsMeta(x, w1, topk_ids.sym_size(1))};
+}
+
 Grads FusedExpertsBackwardMeta(const Tensor& dout, const Tensor& x, const Tensor& w1, const Tensor& w2,
                                const Tensor& topk_weights, const Tensor& topk_ids, c10::string_view act_fn,
-                               const OptTensor& w1_bias, const OptTensor& w2_bias, at::OptionalIntArrayRef config) {
+                               const OptTensor& w1_bias, const OptTensor& w2_bias, at::OptionalIntArrayRef config,
+                               const OptTensor&) {
   CheckFusedExpertsArgs(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias, config);
   return BackwardMeta(x, w1, w2, w1_bias, w2_bias, topk_weights);
 }
@@ -280,9 +327,13 @@ Tensor FusedExpertsReference(const Tensor& x, const Tensor& w1, const Tensor& w2
 using ExpertsSignature = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                 c10::string_view, const OptTensor&, const OptTensor&, at::OptionalIntArrayRef,
                                 at::OptionalIntArrayRef);
+using ExpertsTrainSignature = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                         const Tensor&, c10::string_view, const OptTensor&,
+                                                         const OptTensor&, at::OptionalIntArrayRef,
+                                                         at::OptionalIntArrayRef);
 using ExpertsBackwardSignature = Grads(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                        const Tensor&, c10::string_view, const OptTensor&, const OptTensor&,
-                                       at::OptionalIntArrayRef);
+                                       at::OptionalIntArrayRef, const OptTensor&);
 
 OptTensor Defined(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
@@ -293,6 +344,18 @@ at::OptionalIntArrayRef ConfigRef(const std::vector<int64_t>& config) {
   return config.empty() ? at::OptionalIntArrayRef() : at::OptionalIntArrayRef(config);
 }
 
+// Whether a backward will follow: then the forward saves its pre-activations for it (the
+// backward's gate|up product otherwise runs again: a fifth of its products).
+bool AnyRequiresGrad(std::initializer_list<const Tensor*> tensors, std::initializer_list<const OptTensor*> optional) {
+  for (const Tensor* t : tensors) {
+    if (t->requires_grad()) return true;
+  }
+  for (const OptTensor* t : optional) {
+    if (t->has_value() && (*t)->requires_grad()) return true;
+  }
+  return false;
+}
+
 class FusedExpertsFunction : public torch::autograd::Function<FusedExpertsFunction> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w1, const Tensor& w2,
@@ -301,13 +364,25 @@ class FusedExpertsFunction : public torch::autograd::Function<FusedExpertsFuncti
                         at::OptionalIntArrayRef bwd_config) {
     ctx->saved_data["act_fn"] = std::string(act_fn);
     ctx->saved_data["bwd_config"] = ConfigVector(bwd_config);
+    Tensor out, residuals;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      if (AnyRequiresGrad({&x, &w1, &w2, &topk_weights}, {&w1_bias, &w2_bias})) {
+        static const auto train = c10::Dispatcher::singleton()
+                                      .findSchemaOrThrow("tokamax::_fused_experts_train", "")
+                                      .typed<ExpertsTrainSignature>();
+        std::tie(out, residuals) =
+            train.call(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias, config, bwd_config);
+      } else {
+        static const auto op = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("tokamax::fused_experts", "")
+                                   .typed<ExpertsSignature>();
+        out = op.call(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias, config, bwd_config);
+      }
+    }
     ctx->save_for_backward({x, w1, w2, topk_weights, topk_ids, w1_bias.value_or(Tensor()),
-                            w2_bias.value_or(Tensor())});
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("tokamax::fused_experts", "")
-                               .typed<ExpertsSignature>();
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias, config, bwd_config);
+                            w2_bias.value_or(Tensor()), residuals});
+    return out;
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
@@ -319,7 +394,7 @@ class FusedExpertsFunction : public torch::autograd::Function<FusedExpertsFuncti
     const std::vector<int64_t> config = ctx->saved_data["bwd_config"].toIntVector();
     const OptTensor b1 = Defined(s[5]), b2 = Defined(s[6]);
     auto [dx, dw1, dw2, db1, db2, dtw] =
-        op.call(grads[0].contiguous(), s[0], s[1], s[2], s[3], s[4], act_fn, b1, b2, ConfigRef(config));
+        op.call(grads[0].contiguous(), s[0], s[1], s[2], s[3], s[4], act_fn, b1, b2, ConfigRef(config), Defined(s[7]));
     return {dx, dw1, dw2, dtw, Tensor(), Tensor(), b1 ? db1 : Tensor(), b2 ? db2 : Tensor(), Tensor(), Tensor()};
   }
 };
@@ -366,16 +441,32 @@ Tensor FusedMoeCpu(const Tensor& x, const Tensor& w1, const Tensor& w2, const Te
   return RunExperts(x, w1, w2, weights, ids, act_fn, w1_bias, w2_bias, ToExpertsConfig(resolved));
 }
 
+std::tuple<Tensor, Tensor> FusedMoeTrainCpu(const Tensor& x, const Tensor& w1, const Tensor& w2, const Tensor& gating,
+                                            int64_t topk, bool renormalize, c10::string_view act_fn,
+                                            const OptTensor& w1_bias, const OptTensor& w2_bias,
+                                            at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
+  const MoeConfigs configs =
+      CheckFusedMoeArgs(x, w1, w2, gating, topk, act_fn, w1_bias, w2_bias, config, bwd_config);
+  const FusedMoeConfig resolved = ConfigOrHeuristic<&FusedMoeHeuristicConfig>(
+      configs.forward, ShapeOf(x, w1, w2, topk), ToCoreDType(x.scalar_type(), "fused_moe"),
+      FusedMoeProduct::kForward);
+  const auto [weights, ids] = Route(gating, topk, renormalize);
+  Tensor residuals;
+  Tensor out = RunExperts(x, w1, w2, weights, ids, act_fn, w1_bias, w2_bias, ToExpertsConfig(resolved), &residuals);
+  return {out, residuals};
+}
+
 Grads FusedMoeBackwardCpu(const Tensor& dout, const Tensor& x, const Tensor& w1, const Tensor& w2,
                           const Tensor& gating, int64_t topk, bool renormalize, c10::string_view act_fn,
-                          const OptTensor& w1_bias, const OptTensor& w2_bias, at::OptionalIntArrayRef config) {
+                          const OptTensor& w1_bias, const OptTensor& w2_bias, at::OptionalIntArrayRef config,
+                          const OptTensor& residuals) {
   const MoeConfigs configs = CheckFusedMoeArgs(x, w1, w2, gating, topk, act_fn, w1_bias, w2_bias, config);
   const FusedMoeConfig resolved = ConfigOrHeuristic<&FusedMoeHeuristicConfig>(
       configs.forward, ShapeOf(x, w1, w2, topk), ToCoreDType(x.scalar_type(), "fused_moe"),
       FusedMoeProduct::kBackward);
   const auto [weights, ids] = Route(gating, topk, renormalize);
   auto [dx, dw1, dw2, db1, db2, dweights] = RunExpertsBackward(dout, x, w1, w2, weights, ids, act_fn, w1_bias,
-                                                                w2_bias, ToExpertsConfig(resolved));
+                                                                w2_bias, ToExpertsConfig(resolved), residuals);
   Tensor dgating = at::empty(gating.sizes(), gating.options());
   MoeRouterParams params;
   params.gating = StridedViewOf<2>(gating, "fused_moe");
@@ -396,9 +487,19 @@ Tensor FusedMoeMeta(const Tensor& x, const Tensor& w1, const Tensor& w2, const T
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
+std::tuple<Tensor, Tensor> FusedMoeTrainMeta(const Tensor& x, const Tensor& w1, const Tensor& w2,
+                                             const Tensor& gating, c10::SymInt topk, bool renormalize,
+                                             c10::string_view act_fn, const OptTensor& w1_bias,
+                                             const OptTensor& w2_bias, at::OptionalIntArrayRef config,
+                                             at::OptionalIntArrayRef bwd_config) {
+  CheckFusedMoeArgs(x, w1, w2, gating, topk, act_fn, w1_bias, w2_bias, config, bwd_config);
+  return {at::empty_symint(x.sym_sizes(), x.options()), ResidualsMeta(x, w1, topk)};
+}
+
 Grads FusedMoeBackwardMeta(const Tensor& dout, const Tensor& x, const Tensor& w1, const Tensor& w2,
                            const Tensor& gating, c10::SymInt topk, bool renormalize, c10::string_view act_fn,
-                           const OptTensor& w1_bias, const OptTensor& w2_bias, at::OptionalIntArrayRef config) {
+                           const OptTensor& w1_bias, const OptTensor& w2_bias, at::OptionalIntArrayRef config,
+                           const OptTensor&) {
   CheckFusedMoeArgs(x, w1, w2, gating, topk, act_fn, w1_bias, w2_bias, config);
   return BackwardMeta(x, w1, w2, w1_bias, w2_bias, gating);
 }
@@ -422,9 +523,13 @@ Tensor FusedMoeReference(const Tensor& x, const Tensor& w1, const Tensor& w2, co
 using MoeSignature = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, c10::SymInt, bool,
                             c10::string_view, const OptTensor&, const OptTensor&, at::OptionalIntArrayRef,
                             at::OptionalIntArrayRef);
+using MoeTrainSignature = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                     c10::SymInt, bool, c10::string_view, const OptTensor&,
+                                                     const OptTensor&, at::OptionalIntArrayRef,
+                                                     at::OptionalIntArrayRef);
 using MoeBackwardSignature = Grads(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                    c10::SymInt, bool, c10::string_view, const OptTensor&, const OptTensor&,
-                                   at::OptionalIntArrayRef);
+                                   at::OptionalIntArrayRef, const OptTensor&);
 
 class FusedMoeFunction : public torch::autograd::Function<FusedMoeFunction> {
  public:
@@ -436,11 +541,23 @@ class FusedMoeFunction : public torch::autograd::Function<FusedMoeFunction> {
     ctx->saved_data["renormalize"] = renormalize;
     ctx->saved_data["act_fn"] = std::string(act_fn);
     ctx->saved_data["bwd_config"] = ConfigVector(bwd_config);
-    ctx->save_for_backward({x, w1, w2, gating, w1_bias.value_or(Tensor()), w2_bias.value_or(Tensor())});
-    static const auto op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("tokamax::fused_moe", "").typed<MoeSignature>();
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return op.call(x, w1, w2, gating, topk, renormalize, act_fn, w1_bias, w2_bias, config, bwd_config);
+    Tensor out, residuals;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      if (AnyRequiresGrad({&x, &w1, &w2, &gating}, {&w1_bias, &w2_bias})) {
+        static const auto train =
+            c10::Dispatcher::singleton().findSchemaOrThrow("tokamax::_fused_moe_train", "").typed<MoeTrainSignature>();
+        std::tie(out, residuals) =
+            train.call(x, w1, w2, gating, topk, renormalize, act_fn, w1_bias, w2_bias, config, bwd_config);
+      } else {
+        static const auto op =
+            c10::Dispatcher::singleton().findSchemaOrThrow("tokamax::fused_moe", "").typed<MoeSignature>();
+        out = op.call(x, w1, w2, gating, topk, renormalize, act_fn, w1_bias, w2_bias, config, bwd_config);
+      }
+    }
+    ctx->save_for_backward(
+        {x, w1, w2, gating, w1_bias.value_or(Tensor()), w2_bias.value_or(Tensor()), residuals});
+    return out;
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
@@ -453,7 +570,7 @@ class FusedMoeFunction : public torch::autograd::Function<FusedMoeFunction> {
     const OptTensor b1 = Defined(s[4]), b2 = Defined(s[5]);
     auto [dx, dw1, dw2, db1, db2, dgating] =
         op.call(grads[0].contiguous(), s[0], s[1], s[2], s[3], ctx->saved_data["topk"].toSymInt(),
-                ctx->saved_data["renormalize"].toBool(), act_fn, b1, b2, ConfigRef(config));
+                ctx->saved_data["renormalize"].toBool(), act_fn, b1, b2, ConfigRef(config), Defined(s[6]));
     return {dx,       dw1,      dw2,      dgating,  Tensor(), Tensor(),
             Tensor(), b1 ? db1 : Tensor(), b2 ? db2 : Tensor(), Tensor(), Tensor()};
   }
@@ -482,17 +599,28 @@ ConfigProblem<FusedExpertsShape> FusedMoeConfigProblem(const Tensor& x, const Te
 #define TOKAMAX_FUSED_MOE_ARGS                                                                          \
   "(Tensor x, Tensor w1, Tensor w2, Tensor gating, SymInt topk, bool renormalize=True, str act_fn=\"silu\", " \
   "Tensor? w1_bias=None, Tensor? w2_bias=None, int[]? config=None, int[]? bwd_config=None) -> Tensor"
+// The forwards a backward follows: out and the pre-activations [T*k, 2I] the backward reads.
+#define TOKAMAX_FUSED_EXPERTS_TRAIN_ARGS                                                                \
+  "(Tensor x, Tensor w1, Tensor w2, Tensor topk_weights, Tensor topk_ids, str act_fn, Tensor? w1_bias, " \
+  "Tensor? w2_bias, int[]? config=None, int[]? bwd_config=None) -> (Tensor out, Tensor residuals)"
+#define TOKAMAX_FUSED_MOE_TRAIN_ARGS                                                                          \
+  "(Tensor x, Tensor w1, Tensor w2, Tensor gating, SymInt topk, bool renormalize, str act_fn, Tensor? w1_bias, " \
+  "Tensor? w2_bias, int[]? config=None, int[]? bwd_config=None) -> (Tensor out, Tensor residuals)"
 #define TOKAMAX_FUSED_MOE_GRADS "(Tensor dx, Tensor dw1, Tensor dw2, Tensor dw1_bias, Tensor dw2_bias, Tensor drouting)"
 
 TORCH_LIBRARY_FRAGMENT(tokamax, m) {
   m.def("fused_experts" TOKAMAX_FUSED_EXPERTS_ARGS);
   m.def("fused_experts_reference" TOKAMAX_FUSED_EXPERTS_ARGS);
   m.def("_fused_experts_backward(Tensor dout, Tensor x, Tensor w1, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
-        "str act_fn, Tensor? w1_bias, Tensor? w2_bias, int[]? config=None) -> " TOKAMAX_FUSED_MOE_GRADS);
+        "str act_fn, Tensor? w1_bias, Tensor? w2_bias, int[]? config=None, Tensor? residuals=None) -> "
+        TOKAMAX_FUSED_MOE_GRADS);
+  m.def("_fused_experts_train" TOKAMAX_FUSED_EXPERTS_TRAIN_ARGS);
   m.def("fused_moe" TOKAMAX_FUSED_MOE_ARGS);
   m.def("fused_moe_reference" TOKAMAX_FUSED_MOE_ARGS);
   m.def("_fused_moe_backward(Tensor dout, Tensor x, Tensor w1, Tensor w2, Tensor gating, SymInt topk, "
-        "bool renormalize, str act_fn, Tensor? w1_bias, Tensor? w2_bias, int[]? config=None) -> " TOKAMAX_FUSED_MOE_GRADS);
+        "bool renormalize, str act_fn, Tensor? w1_bias, Tensor? w2_bias, int[]? config=None, Tensor? residuals=None) -> "
+        TOKAMAX_FUSED_MOE_GRADS);
+  m.def("_fused_moe_train" TOKAMAX_FUSED_MOE_TRAIN_ARGS);
   tokamax::DefineConfigOps<&tokamax::FusedExpertsConfigProblem, &tokamax::FusedExpertsHeuristicConfig,
                            &tokamax::FusedExpertsConfigSpace>(m, "Tensor x, Tensor w1, Tensor w2, Tensor topk_ids");
   tokamax::DefineConfigOps<&tokamax::FusedMoeConfigProblem, &tokamax::FusedMoeHeuristicConfig,
@@ -502,15 +630,19 @@ TORCH_LIBRARY_FRAGMENT(tokamax, m) {
 TORCH_LIBRARY_IMPL(tokamax, CPU, m) {
   m.impl("fused_experts", &tokamax::FusedExpertsCpu);
   m.impl("_fused_experts_backward", &tokamax::FusedExpertsBackwardCpu);
+  m.impl("_fused_experts_train", &tokamax::FusedExpertsTrainCpu);
   m.impl("fused_moe", &tokamax::FusedMoeCpu);
   m.impl("_fused_moe_backward", &tokamax::FusedMoeBackwardCpu);
+  m.impl("_fused_moe_train", &tokamax::FusedMoeTrainCpu);
 }
 
 TORCH_LIBRARY_IMPL(tokamax, Meta, m) {
   m.impl("fused_experts", &tokamax::FusedExpertsMeta);
   m.impl("_fused_experts_backward", &tokamax::FusedExpertsBackwardMeta);
+  m.impl("_fused_experts_train", &tokamax::FusedExpertsTrainMeta);
   m.impl("fused_moe", &tokamax::FusedMoeMeta);
   m.impl("_fused_moe_backward", &tokamax::FusedMoeBackwardMeta);
+  m.impl("_fused_moe_train", &tokamax::FusedMoeTrainMeta);
 }
 
 TORCH_LIBRARY_IMPL(tokamax, CompositeImplicitAutograd, m) {

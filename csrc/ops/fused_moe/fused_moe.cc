@@ -14,47 +14,17 @@
 #include "csrc/core/runtime/large_buffer.h"
 #include "csrc/core/runtime/parallel.h"
 #include "csrc/core/runtime/scratch_arena.h"
+#include "csrc/ops/moe_gather/element_access.h"
 #include "csrc/ops/topk/topk.h"
 
 namespace tokamax {
 namespace {
 
-// fp32 arithmetic, float64 for float64 storage (the GEMM core's float64 path needs all three
-// operands in float64, so the scratch it writes is float64 too).
-template <typename T>
-using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
-template <typename T>
-constexpr DType kAccDType = std::is_same_v<T, double> ? DType::kFloat64 : DType::kFloat32;
-
-template <typename T>
-Acc<T> Load(const T* p) {
-  if constexpr (std::is_same_v<T, double>) {
-    return *p;
-  } else {
-    return LoadAsFloat(p);
-  }
-}
-template <typename T, typename V>
-void Store(T* p, V v) {
-  if constexpr (std::is_same_v<T, double>) {
-    *p = static_cast<double>(v);
-  } else {
-    StoreFromFloat(p, static_cast<float>(v));
-  }
-}
-double LoadAny(const void* p, DType dtype) {
-  return DispatchDType(dtype, [&](auto tag) -> double {
-    using T = decltype(tag);
-    return static_cast<double>(Load(static_cast<const T*>(p)));
-  });
-}
-void StoreAny(void* p, DType dtype, double v) {
-  DispatchDType(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    Store(static_cast<T*>(p), v);
-    return 0;
-  });
-}
+using moe::Acc;
+using moe::Load;
+using moe::LoadAny;
+using moe::Store;
+using moe::StoreAny;
 
 // d/dg of Activate(activation, g), the backward's only use of the activation's form.
 template <typename A>
@@ -67,9 +37,6 @@ A ActivationGrad(Activation activation, A g) {
   const A th = std::tanh(c * (g + a * g * g * g));
   return A(0.5) * (A(1) + th) + A(0.5) * g * (A(1) - th * th) * c * (A(1) + A(3) * a * g * g);
 }
-
-// Scratch slots of a task's lease.
-enum Slot : int { kGateSlot = 0, kUpSlot, kHSlot, kGradSlot, kXSlot };
 
 // The (token, slot) pairs sorted by expert: sorted row s is flat position order[s] = t*k + j.
 struct Routing {
@@ -105,26 +72,35 @@ Status Route(const FusedExpertsParams& p, const char* op, Routing* r) {
   return Status::Ok();
 }
 
+// Sorted rows [row0, row1) of one expert and columns [col0, col1) of a product's output.
 struct Task {
-  int64_t expert, row0, row1;
+  int64_t expert, row0, row1, col0, col1;
 };
 
-std::vector<Task> RowTasks(const Routing& r, int64_t task_rows) {
+// Tasks over (expert, at most task_rows of its rows, `width` of `cols` columns): a task packs each
+// panel of its expert's weight columns once for all its rows. (Tasks over rows alone repacked the
+// whole expert per task: the bf16 engine's weight copies were 19% of the forward's samples.) An
+// expert without rows gets no task.
+std::vector<Task> Tasks(const Routing& r, int64_t task_rows, int64_t cols, int64_t width) {
   std::vector<Task> tasks;
   for (size_t e = 0; e + 1 < r.offsets.size(); ++e) {
     for (int64_t r0 = r.offsets[e]; r0 < r.offsets[e + 1]; r0 += task_rows) {
-      tasks.push_back({static_cast<int64_t>(e), r0, std::min(r0 + task_rows, r.offsets[e + 1])});
+      const int64_t r1 = std::min(r0 + task_rows, r.offsets[e + 1]);
+      for (int64_t c0 = 0; c0 < cols; c0 += width) {
+        tasks.push_back({static_cast<int64_t>(e), r0, r1, c0, std::min(c0 + width, cols)});
+      }
     }
   }
   return tasks;
 }
 
 // Runs body(task) for every task, threads pulling indices from a shared counter (uneven experts).
-template <typename Body>
-void RunTasks(int64_t count, const Body& body) {
+template <typename Item, typename Body>
+void RunTasks(const std::vector<Item>& tasks, const Body& body) {
+  const int64_t count = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
   ParallelFor(0, count, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) body(i);
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) body(tasks[i]);
   });
 }
 
@@ -135,6 +111,10 @@ GemmBlocking BlockingOf(const FusedExpertsConfig& config) {
   blocking.block_n = config.block_n;
   return blocking;
 }
+
+// The gated product packs gate and up columns side by side: half of block_n each, so a task
+// packs as many weight columns as the plain products'.
+int64_t GatedBlockN(const FusedExpertsConfig& config) { return std::max(kGemmNr, RoundUp(config.block_n / 2, kGemmNr)); }
 
 // Expert e's matrices (and their transposes), no copies: any strides.
 ConstMatrix W1(const FusedExpertsParams& p, int64_t e, int64_t col0, int64_t cols) {
@@ -168,34 +148,35 @@ void TransposeInto(const A* src, int64_t rows, int64_t cols, A* dst, int64_t dst
   }
 }
 
-// C = A · B for a block of one expert's rows, B an expert weight read in place (any strides), C
-// fp32 (float64 for float64). The GEMM's B packer reads a weight whose rows are contiguous and
-// columns strided (a transposed view, Hugging Face's layout) along strided memory: 2-4x slower in
-// fp32 (measured on the benchmark's shapes). There the product runs as Cᵀ = Bᵀ · Aᵀ, the weight
-// as the A operand, whose packer reads its contiguous rows, and the block of activations as B;
-// Cᵀ lands in contiguous scratch (storing it through C's strides cost as much as the bf16
-// products: perf, T=4096 H=1024 I=2816 E=16) and is transposed into C in tiles. The epilogue
-// must be elementwise.
 bool StridedColumns(const ConstMatrix& b) { return b.col_stride != 1 && b.row_stride == 1; }
 
+// C[:, n0:n1] = A · B[:, n0:n1] for one task's rows, B an expert weight read in place (any
+// strides), C fp32 (float64 for float64). The GEMM's B packer reads a weight whose rows are
+// contiguous and columns strided (a transposed view, Hugging Face's layout) along strided
+// memory: 2-4x slower in fp32 (measured on the benchmark's shapes). There the product runs as
+// Cᵀ = Bᵀ · Aᵀ, the weight as the A operand, whose packer reads its contiguous rows, and the
+// task's rows as B, packed once (one column block); Cᵀ lands in contiguous scratch (storing it
+// through C's strides cost as much as the bf16 products: perf, T=4096 H=1024 I=2816 E=16) and is
+// transposed into C in tiles.
 void WeightProduct(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c,
-                   const GemmBlocking& blocking, const GemmEpilogue& epilogue = {}, const GemmPrologue& gather = {}) {
-  if (!StridedColumns(b) || gather.a_row_map != nullptr) {
-    GemmRegion(kernels, a, b, c, 0, a.rows, 0, b.cols, blocking, epilogue, gather);
+                   int64_t n0, int64_t n1, const GemmBlocking& blocking) {
+  if (!StridedColumns(b)) {
+    GemmRegion(kernels, a, b, c, 0, a.rows, n0, n1, blocking);
     return;
   }
-  const ConstMatrix bt{b.data, b.dtype, b.cols, b.rows, b.col_stride, b.row_stride};
+  const int64_t cols = n1 - n0;
+  const ConstMatrix bt{static_cast<const char*>(b.data) + n0 * b.col_stride * DTypeSize(b.dtype), b.dtype, cols,
+                       b.rows, b.col_stride, b.row_stride};
   const ConstMatrix at{a.data, a.dtype, a.cols, a.rows, a.col_stride, a.row_stride};
-  // All the block's rows in one packed column block, so each weight panel is packed once.
   GemmBlocking whole = blocking;
   whole.block_n = std::max(blocking.block_n, RoundUp(at.cols, kGemmNr));
   ScratchLease lease;
   auto run = [&](auto* tmp) {
     using A = std::remove_pointer_t<decltype(tmp)>;
-    tmp = lease.Get<A>(0, bt.rows * at.cols);
-    const MutableMatrix ct{tmp, c.dtype, bt.rows, at.cols, at.cols, 1};
-    GemmRegion(kernels, bt, at, ct, 0, bt.rows, 0, at.cols, whole, epilogue);
-    TransposeInto(tmp, bt.rows, at.cols, static_cast<A*>(c.data), c.row_stride, c.col_stride);
+    tmp = lease.Get<A>(0, cols * at.cols);
+    const MutableMatrix ct{tmp, c.dtype, cols, at.cols, at.cols, 1};
+    GemmRegion(kernels, bt, at, ct, 0, cols, 0, at.cols, whole);
+    TransposeInto(tmp, cols, at.cols, static_cast<A*>(c.data) + n0 * c.col_stride, c.row_stride, c.col_stride);
   };
   if (c.dtype == DType::kFloat64) {
     run(static_cast<double*>(nullptr));
@@ -219,22 +200,6 @@ void WeightGradProduct(const GemmKernels& kernels, const ConstMatrix& a, const C
   GemmRegion(kernels, bt, at, ct, n0, n1, 0, at.cols, blocking);
 }
 
-// The gate|up product of a block of `rows` rows of x, without bias: gate[r][i] = act(x_r · w1[e][:, i])
-// when `activate`, else the raw product, and up[r][i] = x_r · w1[e][:, I + i]; x_r is row r of `a`,
-// read through `row_map` (GemmPrologue's gather) when given. The one place the first product is
-// formed: it moves to the GEMM core's gated epilogue when that lands (the bias then too).
-template <typename A>
-void GateUpProduct(const GemmKernels& kernels, const FusedExpertsParams& p, int64_t e, const ConstMatrix& a,
-                   const int64_t* row_map, const GemmBlocking& blocking, bool activate, A* gate, A* up) {
-  const int64_t inter = p.w2.sizes[1], rows = a.rows;
-  GemmPrologue gather;
-  gather.a_row_map = row_map;
-  GemmEpilogue epilogue;
-  epilogue.activation = activate && p.w1_bias.data == nullptr ? p.activation : Activation::kNone;
-  WeightProduct(kernels, a, W1(p, e, 0, inter), AccMatrix(gate, rows, inter), blocking, epilogue, gather);
-  WeightProduct(kernels, a, W1(p, e, inter, inter), AccMatrix(up, rows, inter), blocking, {}, gather);
-}
-
 // Rows row_map[0..rows) of x, copied into `dst` [rows, H] (contiguous).
 template <typename T>
 void GatherRows(const StridedView<2>& x, const int64_t* row_map, int64_t rows, T* dst) {
@@ -249,42 +214,125 @@ void GatherRows(const StridedView<2>& x, const int64_t* row_map, int64_t rows, T
   }
 }
 
-// Adds b1[e] to the raw gate|up product (when there is a bias).
-template <typename A>
-void AddGateUpBias(const FusedExpertsParams& p, int64_t e, int64_t rows, A* gate, A* up) {
-  if (p.w1_bias.data == nullptr) return;
-  const int64_t inter = p.w2.sizes[1];
+// A [E, N] bias as fp32 (the gated epilogue's bias type); empty without one.
+std::vector<float> BiasFloat(const StridedView<2>& bias) {
+  std::vector<float> out;
+  if (bias.data == nullptr) return out;
+  out.resize(bias.sizes[0] * bias.sizes[1]);
+  for (int64_t e = 0; e < bias.sizes[0]; ++e) {
+    for (int64_t n = 0; n < bias.sizes[1]; ++n) {
+      out[e * bias.sizes[1] + n] = static_cast<float>(LoadAny(bias.At(e, n), bias.dtype));
+    }
+  }
+  return out;
+}
+
+// h[s][col0:col1] = act(x_s·w1_gate + b1_gate) * (x_s·w1_up + b1_up) for the task's sorted rows s
+// (x_s read through the routing's token map, no copy), one gated product on the GEMM core: gate
+// and up share x's packed panels and the GLU runs in the GEMM's store, so the pre-activations
+// exist only where `pre` ([R, 2I] in T, sorted rows: gate then up) asks for them. float64 keeps
+// its bias exact (the epilogue's bias is fp32): the biases and the GLU then run here.
+template <typename T>
+void GatedProjection(const GemmKernels& kernels, const FusedExpertsParams& p, const Routing& routing, const Task& task,
+                     const GemmBlocking& blocking, const std::vector<float>& b1, T* h, T* pre) {
+  using A = Acc<T>;
+  const int64_t inter = p.w2.sizes[1], rows = task.row1 - task.row0, e = task.expert;
+  const DType dtype = p.x.dtype;
+  const ConstMatrix x{p.x.data, dtype, rows, p.x.sizes[1], p.x.strides[0], p.x.strides[1]};
+  GemmPrologue gather;
+  gather.a_row_map = &routing.token[task.row0];
+  GemmGate gate;
+  gate.up = W1(p, e, inter, inter);
+  GemmEpilogue epilogue;
+  epilogue.gate = &gate;
+  epilogue.activation = p.activation;
+  const bool exact_bias = std::is_same_v<T, double> && p.w1_bias.data != nullptr;
+  ScratchLease lease;
+  T* pre_rows = pre != nullptr ? pre + task.row0 * 2 * inter : nullptr;
+  if (exact_bias) {
+    epilogue.activation = Activation::kNone;
+    if (pre_rows == nullptr) pre_rows = lease.Get<T>(0, rows * 2 * inter);
+  } else if (!b1.empty()) {
+    epilogue.bias = &b1[e * 2 * inter];
+    gate.up_bias = &b1[e * 2 * inter + inter];
+  }
+  if (pre_rows != nullptr) {
+    gate.gate_out = {pre_rows, dtype, rows, inter, 2 * inter, 1};
+    gate.up_out = {pre_rows + inter, dtype, rows, inter, 2 * inter, 1};
+  }
+  // The task's columns as a [0, width) range of shifted views (B, up, C and the pre-activations).
+  const int64_t width = task.col1 - task.col0;
+  ConstMatrix b = W1(p, e, task.col0, width);
+  gate.up = W1(p, e, inter + task.col0, width);
+  if (epilogue.bias != nullptr) {
+    epilogue.bias += task.col0;
+    gate.up_bias += task.col0;
+  }
+  if (pre_rows != nullptr) {
+    gate.gate_out.data = pre_rows + task.col0;
+    gate.up_out.data = pre_rows + inter + task.col0;
+    gate.gate_out.cols = gate.up_out.cols = width;
+  }
+  // The fp32 micro-kernels pack B along its rows, so a transposed weight view (contiguous along
+  // H, Hugging Face's layout) is packed one strided element at a time, once per task. With few
+  // rows per task that packing dominates (perf, T=512 H=2048 I=1408 E=64 fp32, ~48 rows: the
+  // packer took more samples than the products, forward 318 -> 400 ms; copying the columns into
+  // rows first cost more, 560 ms, one more pass over 1.5 GB of weights). There the two products
+  // run as WeightProduct's Cᵀ = Bᵀ·Aᵀ (the weight's rows read by the A packer) and the GLU
+  // after them (335 ms); with many rows the gated product wins (T=4096 H=1024 I=2816 E=16, ~512
+  // rows: 520 ms gated against 590 ms). The bf16 engine's packer reads such columns as vectors.
+  constexpr int64_t kGatedStridedRows = 192;  // between the two measured cases
+  const bool bf16_engine = static_cast<bool>(kernels.bf16) && dtype == DType::kBFloat16;
+  if (StridedColumns(b) && !bf16_engine && !std::is_same_v<T, double> && rows < kGatedStridedRows) {
+    const int64_t hidden = b.rows;
+    T* x_rows = lease.Get<T>(1, rows * hidden);
+    GatherRows(p.x, gather.a_row_map, rows, x_rows);
+    const ConstMatrix xm{x_rows, dtype, rows, hidden, hidden, 1};
+    A* g = lease.Get<A>(2, rows * width);
+    A* u = lease.Get<A>(3, rows * width);
+    WeightProduct(kernels, xm, b, AccMatrix(g, rows, width), 0, width, blocking);
+    WeightProduct(kernels, xm, gate.up, AccMatrix(u, rows, width), 0, width, blocking);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < width; ++i) {
+        A gv = g[r * width + i], uv = u[r * width + i];
+        if (epilogue.bias != nullptr) {
+          gv += epilogue.bias[i];
+          uv += gate.up_bias[i];
+        }
+        if (pre_rows != nullptr) {
+          Store(pre_rows + r * 2 * inter + task.col0 + i, gv);
+          Store(pre_rows + r * 2 * inter + inter + task.col0 + i, uv);
+        }
+        Store(h + (task.row0 + r) * inter + task.col0 + i, Activate(p.activation, gv) * uv);
+      }
+    }
+    return;
+  }
+  const MutableMatrix hm{h + task.row0 * inter + task.col0, dtype, rows, width, inter, 1};
+  GemmRegion(kernels, x, b, hm, 0, rows, 0, width, blocking, epilogue, gather);
+  if (!exact_bias) return;
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < inter; ++i) {
-      gate[r * inter + i] += static_cast<A>(LoadAny(p.w1_bias.At(e, i), p.w1_bias.dtype));
-      up[r * inter + i] += static_cast<A>(LoadAny(p.w1_bias.At(e, inter + i), p.w1_bias.dtype));
+    for (int64_t i = task.col0; i < task.col1; ++i) {
+      T* g = pre_rows + r * 2 * inter + i;
+      T* u = g + inter;
+      const A gv = Load(g) + static_cast<A>(LoadAny(p.w1_bias.At(e, i), p.w1_bias.dtype));
+      const A uv = Load(u) + static_cast<A>(LoadAny(p.w1_bias.At(e, inter + i), p.w1_bias.dtype));
+      Store(g, gv);
+      Store(u, uv);
+      Store(h + (task.row0 + r) * inter + i, Activate(p.activation, gv) * uv);
     }
   }
 }
 
-// h = act(x·w1_gate + b1_gate) * (x·w1_up + b1_up) for a block of one expert's rows, in T.
+// Every sorted row's GLU output h [R, I] (and with `pre` its pre-activations [R, 2I]), in T.
 template <typename T>
-void GatedUpProjection(const GemmKernels& kernels, const FusedExpertsParams& p, int64_t e, const int64_t* row_map,
-                       int64_t rows, const GemmBlocking& blocking, ScratchLease& lease, T* h) {
-  using A = Acc<T>;
-  const int64_t inter = p.w2.sizes[1];
-  A* gate = lease.Get<A>(kGateSlot, rows * inter);
-  A* up = lease.Get<A>(kUpSlot, rows * inter);
-  ConstMatrix x{p.x.data, p.x.dtype, rows, p.x.sizes[1], p.x.strides[0], p.x.strides[1]};
-  if (StridedColumns(W1(p, e, 0, inter))) {
-    // The transposed product reads x's rows as its B operand: gather them once.
-    T* rows_copy = lease.Get<T>(kXSlot, rows * p.x.sizes[1]);
-    GatherRows(p.x, row_map, rows, rows_copy);
-    x = {rows_copy, p.x.dtype, rows, p.x.sizes[1], p.x.sizes[1], 1};
-    row_map = nullptr;
-  }
-  GateUpProduct(kernels, p, e, x, row_map, blocking, /*activate=*/true, gate, up);
-  const bool biased = p.w1_bias.data != nullptr;
-  AddGateUpBias(p, e, rows, gate, up);
-  for (int64_t i = 0; i < rows * inter; ++i) {
-    const A g = biased ? Activate(p.activation, gate[i]) : gate[i];
-    Store(h + i, g * up[i]);
-  }
+void GatedProjections(const GemmKernels& kernels, const FusedExpertsParams& p, const Routing& routing,
+                      const FusedExpertsConfig& config, T* h, T* pre) {
+  GemmBlocking blocking = BlockingOf(config);
+  blocking.block_n = GatedBlockN(config);
+  const std::vector<float> b1 = BiasFloat(p.w1_bias);
+  const std::vector<Task> tasks = Tasks(routing, config.task_rows, p.w2.sizes[1], blocking.block_n);
+  RunTasks(tasks, [&](const Task& task) { GatedProjection<T>(kernels, p, routing, task, blocking, b1, h, pre); });
 }
 
 Status Prepare(const FusedExpertsParams& p, const FusedExpertsConfig& config, const char* op, Routing* routing,
@@ -303,6 +351,9 @@ Status Prepare(const FusedExpertsParams& p, const FusedExpertsConfig& config, co
 
 }  // namespace
 
+// Two passes of tasks over (expert, column block) with all of a block of the expert's rows: the
+// gated gate|up product into h [R, I], then h·w2 into a per-slot fp32 buffer y [R, H]; a
+// fixed-order per-token sum combines the slots.
 Status FusedExperts(const FusedExpertsParams& p, const FusedExpertsConfig& config) {
   Routing routing;
   const GemmKernels* kernels = nullptr;
@@ -310,23 +361,21 @@ Status FusedExperts(const FusedExpertsParams& p, const FusedExpertsConfig& confi
   if (!status.ok()) return status;
   const int64_t tokens = p.x.sizes[0], hidden = p.x.sizes[1], inter = p.w2.sizes[1], k = p.topk_ids.cols;
   const GemmBlocking blocking = BlockingOf(config);
-  const std::vector<Task> tasks = RowTasks(routing, config.task_rows);
   return DispatchDType(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = Acc<T>;
+    LargeBuffer<T> h(routing.rows * inter, LargeBuffer<T>::kUninitialized);
+    GatedProjections<T>(*kernels, p, routing, config, h.data(), static_cast<T*>(p.residuals));
     // Each sorted row's expert output y (h·w2 + b2), combined below in a fixed order.
     LargeBuffer<A> y(routing.rows * hidden, LargeBuffer<A>::kUninitialized);
-    RunTasks(static_cast<int64_t>(tasks.size()), [&](int64_t index) {
-      const Task& task = tasks[index];
+    RunTasks(Tasks(routing, config.task_rows, hidden, config.block_n), [&](const Task& task) {
       const int64_t rows = task.row1 - task.row0;
-      ScratchLease lease;
-      T* h = lease.Get<T>(kHSlot, rows * inter);
-      GatedUpProjection<T>(*kernels, p, task.expert, &routing.token[task.row0], rows, blocking, lease, h);
-      const ConstMatrix hm{h, p.x.dtype, rows, inter, inter, 1};
+      const ConstMatrix hm{&h[task.row0 * inter], p.x.dtype, rows, inter, inter, 1};
       A* y_rows = &y[task.row0 * hidden];
-      WeightProduct(*kernels, hm, W2(p, task.expert), AccMatrix(y_rows, rows, hidden), blocking);
+      WeightProduct(*kernels, hm, W2(p, task.expert), AccMatrix(y_rows, rows, hidden), task.col0, task.col1,
+                    blocking);
       if (p.w2_bias.data != nullptr) {
-        for (int64_t c = 0; c < hidden; ++c) {
+        for (int64_t c = task.col0; c < task.col1; ++c) {
           const A b = static_cast<A>(LoadAny(p.w2_bias.At(task.expert, c), p.w2_bias.dtype));
           for (int64_t r = 0; r < rows; ++r) y_rows[r * hidden + c] += b;
         }
@@ -356,6 +405,8 @@ Status FusedExperts(const FusedExpertsParams& p, const FusedExpertsConfig& confi
 //   dx[t] = sum over the token's slots, ascending, of [dgate|dup]_s · w1[e]ᵀ
 //   dw1[e] = X_eᵀ [dgate|dup]_e,  dw2[e] = (w h)_eᵀ dout_e,  db1[e] = sum_s [dgate|dup]_s,
 //   db2[e] = sum_s w dout[t]  (sums over the expert's rows in sorted order).
+// gate|up come from the forward's saved pre-activations (params.residuals), or are recomputed
+// by the forward's gated product (the same bits) when none were saved.
 Status FusedExpertsBackward(const FusedExpertsParams& p, const FusedExpertsConfig& config) {
   Routing routing;
   const GemmKernels* kernels = nullptr;
@@ -364,34 +415,38 @@ Status FusedExpertsBackward(const FusedExpertsParams& p, const FusedExpertsConfi
   const int64_t tokens = p.x.sizes[0], hidden = p.x.sizes[1], inter = p.w2.sizes[1], k = p.topk_ids.cols;
   const int64_t experts = p.w1.sizes[0], rows_total = routing.rows;
   const GemmBlocking blocking = BlockingOf(config);
-  const std::vector<Task> tasks = RowTasks(routing, config.task_rows);
   return DispatchDType(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = Acc<T>;
     const DType dtype = p.x.dtype;
-    // Per sorted row: the gathered x and dout rows, w*h, [dgate|dup] (T) and dx's part (A).
+    const T* pre = static_cast<const T*>(p.residuals);
+    LargeBuffer<T> recomputed;
+    if (pre == nullptr) {
+      recomputed = LargeBuffer<T>(rows_total * 2 * inter, LargeBuffer<T>::kUninitialized);
+      LargeBuffer<T> h(rows_total * inter, LargeBuffer<T>::kUninitialized);
+      GatedProjections<T>(*kernels, p, routing, config, h.data(), recomputed.data());
+      pre = recomputed.data();
+    }
+    // Per sorted row: the gathered x and dout rows, dout·w2ᵀ (A), w*h and [dgate|dup] (T), dx's
+    // part (A).
     LargeBuffer<T> xg(rows_total * hidden, LargeBuffer<T>::kUninitialized);
     LargeBuffer<T> doutg(rows_total * hidden, LargeBuffer<T>::kUninitialized);
+    ParallelFor(0, rows_total, 64, [&](int64_t s0, int64_t s1) {
+      GatherRows(p.x, &routing.token[s0], s1 - s0, &xg[s0 * hidden]);
+      GatherRows(p.dout, &routing.token[s0], s1 - s0, &doutg[s0 * hidden]);
+    });
+    LargeBuffer<A> grad(rows_total * inter, LargeBuffer<A>::kUninitialized);
+    RunTasks(Tasks(routing, config.task_rows, inter, config.block_n), [&](const Task& task) {
+      const int64_t rows = task.row1 - task.row0;
+      const ConstMatrix dout_rows{&doutg[task.row0 * hidden], dtype, rows, hidden, hidden, 1};
+      WeightProduct(*kernels, dout_rows, W2T(p, task.expert), AccMatrix(&grad[task.row0 * inter], rows, inter),
+                    task.col0, task.col1, blocking);
+    });
     LargeBuffer<T> wh(rows_total * inter, LargeBuffer<T>::kUninitialized);
     LargeBuffer<T> dpre(rows_total * 2 * inter, LargeBuffer<T>::kUninitialized);
-    LargeBuffer<A> dxs(rows_total * hidden, LargeBuffer<A>::kUninitialized);
-    RunTasks(static_cast<int64_t>(tasks.size()), [&](int64_t index) {
-      const Task& task = tasks[index];
-      const int64_t e = task.expert, rows = task.row1 - task.row0;
-      const int64_t* row_map = &routing.token[task.row0];
-      ScratchLease lease;
-      A* gate = lease.Get<A>(kGateSlot, rows * inter);
-      A* up = lease.Get<A>(kUpSlot, rows * inter);
-      A* grad = lease.Get<A>(kGradSlot, rows * inter);
-      GatherRows(p.x, row_map, rows, &xg[task.row0 * hidden]);
-      GatherRows(p.dout, row_map, rows, &doutg[task.row0 * hidden]);
-      const ConstMatrix x_rows{&xg[task.row0 * hidden], dtype, rows, hidden, hidden, 1};
-      const ConstMatrix dout_rows{&doutg[task.row0 * hidden], dtype, rows, hidden, hidden, 1};
-      GateUpProduct(*kernels, p, e, x_rows, nullptr, blocking, /*activate=*/false, gate, up);
-      AddGateUpBias(p, e, rows, gate, up);
-      WeightProduct(*kernels, dout_rows, W2T(p, e), AccMatrix(grad, rows, inter), blocking);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t s = task.row0 + r, flat = routing.order[s], t = flat / k, j = flat % k;
+    ParallelFor(0, rows_total, 16, [&](int64_t s0, int64_t s1) {
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t flat = routing.order[s], t = flat / k, j = flat % k, e = p.topk_ids.At(t, j);
         const A w = static_cast<A>(LoadAny(p.topk_weights.At(t, j), p.topk_weights.dtype));
         A dw = 0;
         if (p.w2_bias.data != nullptr) {
@@ -400,9 +455,10 @@ Status FusedExpertsBackward(const FusedExpertsParams& p, const FusedExpertsConfi
           }
         }
         A hg = 0;
+        const T* gate = pre + s * 2 * inter;
         T* dg = &dpre[s * 2 * inter];
         for (int64_t i = 0; i < inter; ++i) {
-          const A g = gate[r * inter + i], u = up[r * inter + i], d = grad[r * inter + i];
+          const A g = Load(gate + i), u = Load(gate + inter + i), d = grad[s * inter + i];
           const A act = Activate(p.activation, g);
           hg += act * u * d;
           Store(&wh[s * inter + i], w * act * u);
@@ -412,8 +468,14 @@ Status FusedExpertsBackward(const FusedExpertsParams& p, const FusedExpertsConfi
         }
         StoreAny(p.dtopk_weights.At(t, j), p.dtopk_weights.dtype, static_cast<double>(dw + hg));
       }
+    });
+    grad = LargeBuffer<A>();
+    LargeBuffer<A> dxs(rows_total * hidden, LargeBuffer<A>::kUninitialized);
+    RunTasks(Tasks(routing, config.task_rows, hidden, config.block_n), [&](const Task& task) {
+      const int64_t rows = task.row1 - task.row0;
       const ConstMatrix dpre_rows{&dpre[task.row0 * 2 * inter], dtype, rows, 2 * inter, 2 * inter, 1};
-      WeightProduct(*kernels, dpre_rows, W1T(p, e), AccMatrix(&dxs[task.row0 * hidden], rows, hidden), blocking);
+      WeightProduct(*kernels, dpre_rows, W1T(p, task.expert), AccMatrix(&dxs[task.row0 * hidden], rows, hidden),
+                    task.col0, task.col1, blocking);
     });
     // Weight gradients: one task per (expert, column block), each summing all the expert's rows in
     // sorted order (an expert with no rows gets K = 0: exact zeros).
@@ -429,8 +491,7 @@ Status FusedExpertsBackward(const FusedExpertsParams& p, const FusedExpertsConfi
         weight_tasks.push_back({e, 1, n0, std::min(n0 + config.block_n, hidden)});
       }
     }
-    RunTasks(static_cast<int64_t>(weight_tasks.size()), [&](int64_t index) {
-      const WeightTask& task = weight_tasks[index];
+    RunTasks(weight_tasks, [&](const WeightTask& task) {
       const int64_t e = task.expert, r0 = routing.offsets[e], rows = routing.offsets[e + 1] - r0;
       if (task.which == 0) {
         const ConstMatrix a{&xg[r0 * hidden], dtype, hidden, rows, 1, hidden};

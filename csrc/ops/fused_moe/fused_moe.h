@@ -7,12 +7,15 @@
 //     p = softmax(gating[t]) in fp32, the k largest p (ties to the lowest id), divided by their sum
 //     when renormalize.
 //
-// The kernel works on the (token, slot) pairs sorted by expert (moe_gather's counting sort), one
-// task per block of one expert's rows: the gate|up product of the block lands in task scratch
-// (never a [T*k, 2I] buffer), the GLU makes h, h·w2 lands in a per-slot fp32 buffer, and a
-// fixed-order per-token sum combines the slots. The backward recomputes the gate|up product per
-// block and runs every product on the GEMM core (GemmRegion). Every output element is made by
-// one task in an order fixed by the config: bitwise the same at any thread count.
+// The kernel works on the (token, slot) pairs sorted by expert (moe_gather's counting sort), in
+// tasks over (expert, column block) that take all of a block of up to task_rows of the expert's
+// rows, so each weight panel is packed once per call: the gate|up product runs on the GEMM core's
+// gated epilogue (GemmGate: one packed pass over the rows, the GLU in the GEMM's store) into
+// h [T*k, I], h·w2 into a per-slot fp32 buffer, and a fixed-order per-token sum combines the
+// slots. The [T*k, 2I] pre-activations are written only when asked for (a forward whose backward
+// will need them); the backward reads them, or recomputes them with the same gated product. Every
+// output element is made by one task in an order fixed by the config: bitwise the same at any
+// thread count.
 #pragma once
 
 #include <cstdint>
@@ -30,7 +33,7 @@ namespace tokamax {
 
 // One field list for both entries (fused_moe's experts part is fused_experts).
 #define TOKAMAX_FUSED_MOE_CONFIG_FIELDS(X)                                                         \
-  X(task_rows, 96, 6, 4096, 6, "one expert's (token, slot) rows per task")                         \
+  X(task_rows, 96, 6, 4096, 6, "most of one expert's (token, slot) rows in one task")                         \
   X(block_k, 256, 16, 8192, 16, "depth of one packed slice of K (the sum order of every product)") \
   X(block_n, 512, 16, 8192, 16, "columns of B packed at once; a weight-gradient task's columns")
 #define TOKAMAX_FUSED_MOE_PRODUCTS(X) X(kForward, "forward") X(kBackward, "backward")
@@ -72,6 +75,10 @@ struct FusedExpertsParams {
   MutableStridedView<3> dw1, dw2;
   MutableStridedView<2> dw1_bias, dw2_bias;  // null data: not computed
   MutableStridedView<2> dtopk_weights;       // [T, k], topk_weights' dtype
+  // The pre-activations gate|up per (token, slot) pair, [T*k, 2I] contiguous in x's dtype, rows
+  // sorted by expert (stable): the forward writes them when non-null, the backward reads them
+  // when non-null (and recomputes them otherwise).
+  void* residuals = nullptr;
 };
 
 Status FusedExperts(const FusedExpertsParams& params, const FusedExpertsConfig& config);

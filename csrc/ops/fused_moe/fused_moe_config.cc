@@ -11,11 +11,11 @@ namespace {
 static_assert(ConfigFieldNamed<FusedExpertsConfig>("task_rows").multiple_of == kGemmMr, "task_rows: whole tiles");
 static_assert(ConfigFieldNamed<FusedExpertsConfig>("block_n").multiple_of == kGemmNr, "block_n: whole panels");
 
-// A task packs its expert's whole w1 slice (H x 2I) and w2 slice (I x H) once: more rows amortise
-// that copy (measured fp32 forward at T=4096 H=1024 I=2816 E=16 k=2: 48 rows 741 ms, 96 646 ms,
-// 192 582 ms). An expert's rows up to twice the mean fit in one task (routing is uneven), rounded up
-// to whole 6-row tiles; past 192 rows the scratch (192 x 2I fp32, 4 MiB at I=2816) outgrows L2.
-constexpr int64_t kMaxTaskRows = 192;
+// A task takes all of one expert's rows up to task_rows and packs each of its weight panels
+// once for them: an expert's rows up to twice the mean fit in one task (routing is uneven),
+// rounded up to whole 6-row tiles. The cap bounds a task's fp32 accumulator (rows x block_n,
+// 2 MiB at 1020 x 512).
+constexpr int64_t kMaxTaskRows = 1020;
 // The GEMM core's measured best on Xeon (ragged_dot's heuristic): 256-deep slices, 512-wide blocks.
 constexpr int64_t kDefaultBlockK = 256;
 constexpr int64_t kDefaultBlockN = 512;
@@ -34,7 +34,7 @@ std::vector<FusedExpertsConfig> Space(const FusedExpertsShape& call) {
   const FusedExpertsConfig heuristic = Heuristic(call);
   std::vector<FusedExpertsConfig> space{heuristic};
   std::set<std::vector<int64_t>> seen{heuristic.ToVector()};
-  for (int64_t task_rows : {heuristic.task_rows, int64_t{48}, int64_t{96}, int64_t{192}}) {
+  for (int64_t task_rows : {heuristic.task_rows, int64_t{96}, int64_t{384}, int64_t{1020}}) {
     for (int64_t block_k : {int64_t{256}, int64_t{512}, int64_t{128}}) {
       for (int64_t block_n : {int64_t{512}, int64_t{256}}) {
         FusedExpertsConfig config;

@@ -205,6 +205,44 @@ INSTANTIATE_TEST_SUITE_P(Layouts, FusedExpertsTest,
                          ::testing::Combine(::testing::Bool(), ::testing::Values(Activation::kSilu, Activation::kGeluTanh),
                                             ::testing::Bool()));
 
+// The pre-activations a forward saves give the backward the bits it gets by recomputing them.
+TEST(FusedExperts, SavedResidualsGiveTheRecomputedBackwardBitwise) {
+  const Operands o(Sizes{}, true, 6);
+  const Sizes& s = o.s;
+  auto narrow = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
+  const std::vector<float> x = narrow(o.x), w1 = narrow(o.w1), w2 = narrow(o.w2), b1 = narrow(o.b1),
+                           b2 = narrow(o.b2), tw = narrow(o.tw);
+  std::vector<float> out(s.t * s.h), dout(s.t * s.h), residuals(s.t * s.k * 2 * s.inter, -1.0f);
+  for (size_t i = 0; i < dout.size(); ++i) dout[i] = std::sin(0.1f * static_cast<float>(i));
+  FusedExpertsConfig config;
+  config.task_rows = 6;
+  config.block_n = 16;  // several column tasks per expert
+  auto backward = [&](void* saved) {
+    std::vector<float> dx(x.size()), dw1(w1.size()), dw2(w2.size()), dtw(tw.size());
+    FusedExpertsParams p = Params(o, Activation::kSilu, true, DType::kFloat32, x.data(), w1.data(), w2.data(),
+                                  b1.data(), b2.data(), tw.data());
+    p.dout = {dout.data(), DType::kFloat32, {s.t, s.h}, {s.h, 1}};
+    p.dx = {dx.data(), DType::kFloat32, {s.t, s.h}, {s.h, 1}};
+    p.dw1 = Writable(o.W1View(nullptr, DType::kFloat32), dw1.data());
+    p.dw2 = Writable(o.W2View(nullptr, DType::kFloat32), dw2.data());
+    p.dtopk_weights = {dtw.data(), DType::kFloat32, {s.t, s.k}, {s.k, 1}};
+    p.residuals = saved;
+    EXPECT_TRUE(FusedExpertsBackward(p, config).ok());
+    std::vector<float> all = dx;
+    for (const auto* v : {&dw1, &dw2, &dtw}) all.insert(all.end(), v->begin(), v->end());
+    return all;
+  };
+  FusedExpertsParams p = Params(o, Activation::kSilu, true, DType::kFloat32, x.data(), w1.data(), w2.data(),
+                                b1.data(), b2.data(), tw.data());
+  p.out = {out.data(), DType::kFloat32, {s.t, s.h}, {s.h, 1}};
+  p.residuals = residuals.data();
+  ASSERT_TRUE(FusedExperts(p, config).ok());
+  for (float r : residuals) ASSERT_NE(r, -1.0f);  // every pre-activation written
+  const std::vector<float> saved = backward(residuals.data()), recomputed = backward(nullptr);
+  ASSERT_EQ(saved.size(), recomputed.size());
+  for (size_t i = 0; i < saved.size(); ++i) EXPECT_EQ(saved[i], recomputed[i]) << i;
+}
+
 TEST(FusedExperts, OutOfRangeIdFailsBeforeAnyWrite) {
   Operands o(Sizes{}, true, 5);
   o.ids[3] = o.s.e;
@@ -241,7 +279,7 @@ TEST(FusedExpertsConfig, SpaceStartsWithTheHeuristicAndHoldsOnlyValidConfigs) {
   const FusedExpertsShape shape{4096, 1024, 2816, 16, 2};
   const FusedExpertsConfig heuristic = FusedExpertsHeuristicConfig(shape, DType::kBFloat16, CpuInfo{},
                                                                    FusedExpertsProduct::kForward);
-  EXPECT_EQ(heuristic.task_rows, 192);
+  EXPECT_EQ(heuristic.task_rows, 1020);  // 2 x the 512 rows per expert, capped
   const std::vector<FusedExpertsConfig> space =
       FusedExpertsConfigSpace(shape, DType::kBFloat16, CpuInfo{}, FusedExpertsProduct::kBackward);
   ASSERT_GT(space.size(), 1u);

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "csrc/ops/moe_gather/counting_sort.h"
+#include "csrc/ops/moe_gather/element_access.h"
 #include "csrc/core/runtime/large_buffer.h"
 #include "csrc/core/runtime/parallel.h"
 
@@ -44,43 +45,11 @@ namespace {
 // Columns per accumulator tile: 2 KiB of fp32 (4 KiB fp64) on the stack, in L1 with the rows.
 constexpr int64_t kColumnTile = 512;
 
-// fp32 accumulation, float64 for float64 storage.
-template <typename T>
-using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
-
-template <typename T>
-Acc<T> Load(const T* p) {
-  if constexpr (std::is_same_v<T, double>) {
-    return *p;
-  } else {
-    return LoadAsFloat(p);
-  }
-}
-
-template <typename T>
-void Store(T* p, Acc<T> v) {
-  if constexpr (std::is_same_v<T, double>) {
-    *p = v;
-  } else {
-    StoreFromFloat(p, v);
-  }
-}
-
-// One element of a view of any float dtype, widened to double (exact), and its store.
-double LoadAny(const void* p, DType dtype) {
-  return DispatchDType(dtype, [&](auto tag) -> double {
-    using T = decltype(tag);
-    return static_cast<double>(Load(static_cast<const T*>(p)));
-  });
-}
-
-void StoreAny(void* p, DType dtype, double v) {
-  DispatchDType(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    Store(static_cast<T*>(p), static_cast<Acc<T>>(v));
-    return 0;
-  });
-}
+using moe::Acc;
+using moe::Load;
+using moe::LoadAny;
+using moe::Store;
+using moe::StoreAny;
 
 // acc[h] (=|+=) w * row[h * stride], h < width. The unit-stride loops are separate so the
 // compiler vectorizes them (the widening of bf16/fp16 included).
