@@ -14,7 +14,6 @@ the peak resident-memory growth of one call. Writes benchmarks/results/attention
 from __future__ import annotations
 
 import argparse
-import ctypes
 import math
 import statistics
 import pathlib
@@ -27,48 +26,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import tokamax_torch  # noqa: E402
-
-
-# ---- peak memory --------------------------------------------------------------------------------
-
-def _status_kib(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def _libc():
-    """glibc, told to serve every allocation over 128 KiB by a fresh mmap (a fixed threshold
-    turns off its adaptive one), so freed buffers are returned to the OS instead of reused and
-    each call's working memory shows up in the resident set."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = None  # set by main() after every timing, since fresh mmaps slow allocation down
-
-
-def peak_memory_mib(fn) -> float:
-    """Growth of the resident set's high-water mark during fn() (Linux: clear_refs resets it).
-    Counts every allocation, the kernels' own scratch included (their cache of released
-    buffers emptied first), not only torch tensors."""
-    if _LIBC is None:
-        return float("nan")
-    tokamax_torch.empty_cache()  # so the call's working memory is mapped, and counted, afresh
-    _LIBC.malloc_trim(0)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return float("nan")
-    before = _status_kib("VmRSS")
-    fn()
-    return max(_status_kib("VmHWM") - before, 0) / 1024
 
 
 # ---- cases --------------------------------------------------------------------------------------
@@ -167,7 +124,7 @@ def run_case(c, backward: bool, reps: int, memory_only: bool = False) -> list[di
     if memory_only:
         for impl, step in steps:
             step()
-            rows.append(dict(labels, impl=impl, peak_mib=peak_memory_mib(step)))
+            rows.append(dict(labels, impl=impl, peak_mib=common.peak_memory_mib(step)))
         return rows
     # The two implementations' calls alternate, so a change of the VM's speed hits both.
     timings = common.time_interleaved([step for _, step in steps], warmup=1, reps=reps)
@@ -272,8 +229,7 @@ def main() -> None:
         rows.extend(run_case(c, backward, reps))
     decode = run_decode(reps, ceilings["read_gbps"], info["l1d_l2_l3_bytes"][2], args.quick)
     # Peak memory last, in its own pass: it makes glibc return every freed buffer to the OS.
-    global _LIBC
-    _LIBC = _libc()
+    common.enable_peak_memory()
     memory = [m for c, backward in runs for m in run_case(c, backward, reps, memory_only=True)]
     for r, m in zip(rows, memory):
         r["peak_mib"] = m["peak_mib"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import pathlib
 import platform
@@ -81,3 +82,51 @@ def write_json(name: str, payload: dict) -> pathlib.Path:
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path
+
+
+# ---- peak memory (one measurement for every benchmark) ------------------------------------------
+
+def _status_kib(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _libc():
+    """glibc, told to serve every allocation over 128 KiB by a fresh mmap (a fixed threshold
+    turns off its adaptive one), so freed buffers are returned to the OS instead of reused and
+    each call's working memory shows up in the resident set."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = None  # set by enable_peak_memory() after every timing, since fresh mmaps slow allocation down
+
+
+def enable_peak_memory() -> None:
+    """Switches glibc to fresh mmaps (see _libc); call after the timings, before peak_memory_mib."""
+    global _LIBC
+    _LIBC = _libc()
+
+
+def peak_memory_mib(fn) -> float:
+    """Growth of the resident set's high-water mark during fn() (Linux: clear_refs resets it).
+    Counts every allocation, the kernels' own scratch included (their cache of released
+    buffers emptied first), not only torch tensors. NaN before enable_peak_memory()."""
+    if _LIBC is None:
+        return float("nan")
+    tokamax_torch.empty_cache()  # so the call's working memory is mapped, and counted, afresh
+    _LIBC.malloc_trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return float("nan")
+    before = _status_kib("VmRSS")
+    fn()
+    return max(_status_kib("VmHWM") - before, 0) / 1024

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import attention  # noqa: E402  (its peak-memory probe)
 import common  # noqa: E402
 
 from tokamax_torch.ops import gated_linear_unit as glu  # noqa: E402
@@ -90,9 +89,9 @@ def main():
                   f"{cr['median_ms']:.0f} | {kr['gflops']:.0f} ({100 * kr['peak_fraction']:.0f}% of {peak:.0f}) | "
                   f"{er['median_ms'] / kr['median_ms']:.2f}x | {cr['median_ms'] / kr['median_ms']:.2f}x |", flush=True)
     # Peak memory last, in its own pass: it makes glibc return every freed buffer to the OS.
-    attention._LIBC = attention._libc()
+    common.enable_peak_memory()
     for dtype, steps in memory_runs:
-        mem = {name: attention.peak_memory_mib(step) for name, step in steps.items()}
+        mem = {name: common.peak_memory_mib(step) for name, step in steps.items()}
         info["cases"][[str(dtype) == c["dtype"] for c in info["cases"]].index(True)]["peak_mib"] = mem
         print(f"peak resident growth, forward+backward, {str(dtype)[6:]}: " +
               ", ".join(f"{name} {v:.0f} MiB" for name, v in mem.items()), flush=True)

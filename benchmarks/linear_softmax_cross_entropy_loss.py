@@ -7,7 +7,7 @@ input dtype (bf16 logits for bf16). Each case times the three implementations in
 warm-up, then `--reps` calls of each; the median), reports useful GFLOP/s (6·B·H·V: the kernel's
 recomputed logits are not counted) against the active tier's matrix peak measured in this run
 (fp32 FMA for fp32, the bf16 engine for bf16), and the growth of the resident set's high-water
-mark over one forward+backward (benchmarks/attention.py's measurement). Writes
+mark over one forward+backward (benchmarks/common.py's peak_memory_mib). Writes
 benchmarks/results/linear_softmax_cross_entropy_loss.json.
 
     python benchmarks/linear_softmax_cross_entropy_loss.py [--quick] [--reps N]
@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import attention  # noqa: E402  (its peak-memory measurement)
 import common  # noqa: E402
 
 import tokamax_torch  # noqa: E402
@@ -72,7 +71,7 @@ def main() -> None:
             cases.append(dict(shape=(b, h, v), dtype=str(dtype).split(".")[1], steps=steps,
                               times=dict(zip(steps, times)), tensors=(x, weight, labels)))
     # Peak memory last: it makes glibc return every freed buffer to the OS (slower allocation).
-    attention._LIBC = attention._libc()
+    common.enable_peak_memory()
     rows = []
     header = f"{'shape B,H,V':<20}{'dtype':<10}{'impl':<10}{'ms':>10}{'GFLOP/s':>9}{'%peak':>7}{'peak MiB':>10}"
     print(header)
@@ -85,7 +84,7 @@ def main() -> None:
         x, weight, _ = c["tensors"]
         for name, step in c["steps"].items():
             x.grad = weight.grad = None  # the call's own gradients count in its peak
-            peak = attention.peak_memory_mib(step)
+            peak = common.peak_memory_mib(step)
             t = c["times"][name]
             gflops = flops / (t["median_ms"] * 1e6)
             row = dict(shape=f"{b},{h},{v}", dtype=c["dtype"], impl=name, median_ms=t["median_ms"],

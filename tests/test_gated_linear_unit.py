@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from contract import THREAD_COUNTS, BadInput, DynamicSizes, OpContract, Sample
 from strategies import DTYPES, PROFILE, layout
@@ -120,6 +121,65 @@ def test_frozen_weights_and_frozen_x():
     only_w = w.clone().requires_grad_(True)
     glu.kernel(x, only_w).sum().backward()
     assert torch.equal(only_x.grad, full_x.grad) and torch.equal(only_w.grad, full_w.grad)
+
+
+class _OpLog(TorchDispatchMode):
+    """The gated_linear_unit ops a region dispatches."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "gated_linear_unit" in str(func):
+            self.ops.append(str(func).split(".")[1])
+        return func(*args, **(kwargs or {}))
+
+
+def test_backward_overwrites_residuals_only_when_the_graph_is_freed():
+    """A plain backward writes d(pre-activations) over the saved residuals (no [M, 2N] of its
+    own); retain_graph and returned residuals keep them intact; the gradients are bitwise the
+    same either way, and a second backward through a freed graph still raises."""
+    x, w = _problem((2, 9, 40), 37, seed=6)
+    dy = torch.randn(2, 9, 37, generator=torch.Generator().manual_seed(7))
+    xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+
+    def grads_of(out, **kwargs):
+        xg.grad = wg.grad = None
+        with _OpLog() as log:
+            out.backward(dy, **kwargs)
+        return (xg.grad, wg.grad), log.ops
+
+    plain, ops = grads_of(glu.kernel(xg, wg))
+    assert ops == ["_gated_linear_unit_backward_overwrite"]
+    out = glu.kernel(xg, wg)
+    retained, ops = grads_of(out, retain_graph=True)
+    assert ops == ["_gated_linear_unit_backward"]
+    again, ops = grads_of(out)  # the graph was kept: the residuals are intact for this one
+    assert ops == ["_gated_linear_unit_backward_overwrite"]
+    for got in (retained, again):
+        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+    with pytest.raises(RuntimeError, match="second time"):
+        out.backward(dy)
+    out, residuals = glu.kernel(xg, wg, return_residuals=True)
+    kept = residuals.clone()
+    returned, ops = grads_of(out)
+    assert ops == ["_gated_linear_unit_backward"] and torch.equal(residuals, kept)
+    assert torch.equal(returned[0], plain[0]) and torch.equal(returned[1], plain[1])
+
+
+def test_overwrite_op_matches_the_functional_backward():
+    """The `_overwrite` op gives the functional op's bits and leaves dpre in the residuals."""
+    x, w = _problem((12, 40), 37, seed=8)
+    out, residuals = glu.kernel(x, w, return_residuals=True)
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    want = torch.ops.tokamax._gated_linear_unit_backward(dy, x, w, None, residuals, "swish", True, True, None)
+    scratch = residuals.clone()
+    got = torch.ops.tokamax._gated_linear_unit_backward_overwrite(dy, x, w, None, scratch, "swish", True, True, None)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    g, u = residuals[:, 0], residuals[:, 1]
+    _close(scratch[:, 1], dy * F.silu(g), 1e-6, "dup written over up")
+    _close(scratch[:, 0], dy * u * torch.func.grad(lambda t: F.silu(t).sum())(g), 1e-5, "dgate written over gate")
 
 
 def test_inference_saves_nothing():

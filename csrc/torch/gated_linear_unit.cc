@@ -4,6 +4,7 @@
 // `up_weights` up), any strides: transposed views are read in place.
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -175,10 +176,12 @@ Tensor MergedWeights(const Tensor& weights, const std::optional<Tensor>& up_weig
   return fused.contiguous().view({k, 2 * n});
 }
 
-std::tuple<Tensor, Tensor> GluBackwardCpu(const Tensor& dout, const Tensor& x, const Tensor& weights,
-                                          const std::optional<Tensor>& up_weights, const Tensor& residuals,
-                                          c10::string_view activation, bool x_grad, bool weights_grad,
-                                          at::OptionalIntArrayRef config) {
+// `overwrite`: dpre is written over the residuals (the `_overwrite` op, whose schema says it
+// mutates them), saving [M, 2N] elements; otherwise dpre is fresh working memory.
+std::tuple<Tensor, Tensor> GluBackwardImpl(const Tensor& dout, const Tensor& x, const Tensor& weights,
+                                           const std::optional<Tensor>& up_weights, const Tensor& residuals,
+                                           c10::string_view activation, bool x_grad, bool weights_grad,
+                                           at::OptionalIntArrayRef config, bool overwrite) {
   Activation act;
   const GluConfigs configs = CheckGluArgs(x, weights, up_weights, activation, config, std::nullopt, &act);
   const GatedLinearUnitShape shape = ShapeOf(x, weights);
@@ -191,8 +194,13 @@ std::tuple<Tensor, Tensor> GluBackwardCpu(const Tensor& dout, const Tensor& x, c
   const Tensor rows = Rows(x, shape);
   const Tensor dout_rows = dout.reshape({m, n});
   const Tensor residual_rows = residuals.reshape({m, 2, n});
-  Tensor dpre = at::empty({m, 2 * n}, x.options());
-  AdviseHugePages(dpre);
+  Tensor dpre;
+  if (overwrite && residual_rows.is_contiguous()) {
+    dpre = residual_rows.view({m, 2 * n});  // (i, j) and (i, N + j) are residuals (i, 0, j) and (i, 1, j)
+  } else {
+    dpre = at::empty({m, 2 * n}, x.options());
+    AdviseHugePages(dpre);
+  }
   Tensor dx = x_grad ? at::empty({m, k}, x.options()) : at::empty({0}, x.options());
   Tensor dweights = weights_grad ? at::empty({k, 2, n}, x.options()) : at::empty({0}, x.options());
   const Tensor merged = x_grad ? MergedWeights(weights, up_weights) : Tensor();
@@ -210,6 +218,20 @@ std::tuple<Tensor, Tensor> GluBackwardCpu(const Tensor& dout, const Tensor& x, c
   const Status status = GatedLinearUnitBackward(params, resolved);
   TORCH_CHECK(status.ok(), status.message());
   return {x_grad ? dx.view(x.sizes()) : dx, dweights};
+}
+
+std::tuple<Tensor, Tensor> GluBackwardCpu(const Tensor& dout, const Tensor& x, const Tensor& weights,
+                                          const std::optional<Tensor>& up_weights, const Tensor& residuals,
+                                          c10::string_view activation, bool x_grad, bool weights_grad,
+                                          at::OptionalIntArrayRef config) {
+  return GluBackwardImpl(dout, x, weights, up_weights, residuals, activation, x_grad, weights_grad, config, false);
+}
+
+std::tuple<Tensor, Tensor> GluBackwardOverwriteCpu(const Tensor& dout, const Tensor& x, const Tensor& weights,
+                                                   const std::optional<Tensor>& up_weights, const Tensor& residuals,
+                                                   c10::string_view activation, bool x_grad, bool weights_grad,
+                                                   at::OptionalIntArrayRef config) {
+  return GluBackwardImpl(dout, x, weights, up_weights, residuals, activation, x_grad, weights_grad, config, true);
 }
 
 std::tuple<Tensor, Tensor> GluBackwardMeta(const Tensor& dout, const Tensor& x, const Tensor& weights,
@@ -230,6 +252,16 @@ using BackwardSignature = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor
                                                      const std::optional<Tensor>&, const Tensor&, c10::string_view,
                                                      bool, bool, at::OptionalIntArrayRef);
 
+// A dense CPU tensor outside any tracing (no fake, functional or Python-subclass wrapper): the
+// only case where the backward may write over a saved tensor. Traced graphs (torch.compile)
+// keep the functional op, whose memory the compiler plans.
+bool IsPlainCpu(const Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided &&
+         !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,
+                                                   c10::DispatchKey::PythonTLSSnapshot})) &&
+         !t.unsafeGetTensorImpl()->is_python_dispatch();
+}
+
 const c10::TypedOperatorHandle<ForwardSignature>& ForwardOp() {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("tokamax::gated_linear_unit", "").typed<ForwardSignature>();
@@ -237,7 +269,11 @@ const c10::TypedOperatorHandle<ForwardSignature>& ForwardOp() {
 }
 
 // Saved for the backward: x, the weights and the residuals (both pre-activations, [..., M, 2, N]
-// in x's dtype, written by the forward's store): the backward recomputes no product.
+// in x's dtype, written by the forward's store): the backward recomputes no product. When the
+// graph is not kept (no retain_graph / create_graph), the residuals are not returned to the
+// caller and nothing else holds their storage, the backward writes d(pre-activations) over them
+// (the `_overwrite` op) instead of allocating [M, 2N] more: the engine frees the saved tensors
+// after this backward anyway, and a second backward through the graph raises as usual.
 class GluFunction : public torch::autograd::Function<GluFunction> {
  public:
   static tensor_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weights,
@@ -251,6 +287,7 @@ class GluFunction : public torch::autograd::Function<GluFunction> {
     }
     ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["pair"] = up_weights.has_value();
+    ctx->saved_data["returned"] = return_residuals;
     ctx->saved_data["bwd_config"] = bwd_config.has_value() ? bwd_config->vec() : std::vector<int64_t>{};
     ctx->save_for_backward({x, weights, up_weights.value_or(Tensor()), residuals});
     const Tensor returned = return_residuals ? residuals : at::empty({0}, x.options());
@@ -262,15 +299,23 @@ class GluFunction : public torch::autograd::Function<GluFunction> {
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("tokamax::_gated_linear_unit_backward", "")
                                .typed<BackwardSignature>();
-    const auto saved = ctx->get_saved_variables();
+    static const auto overwrite_op = c10::Dispatcher::singleton()
+                                         .findSchemaOrThrow("tokamax::_gated_linear_unit_backward_overwrite", "")
+                                         .typed<BackwardSignature>();
+    auto saved = ctx->get_saved_variables();
     const bool pair = ctx->saved_data["pair"].toBool();
     const std::optional<Tensor> up = pair ? std::optional<Tensor>(saved[2]) : std::nullopt;
     const bool x_grad = ctx->needs_input_grad(0);
     const bool weights_grad = ctx->needs_input_grad(1) || (pair && ctx->needs_input_grad(2));
     const std::vector<int64_t> config = ctx->saved_data["bwd_config"].toIntVector();  // empty: heuristic
     const std::string activation = ctx->saved_data["activation"].toStringRef();
-    auto [dx, dweights] = op.call(grads[0], saved[0], saved[1], up, saved[3], activation, x_grad, weights_grad,
-                                  config.empty() ? at::OptionalIntArrayRef() : at::OptionalIntArrayRef(config));
+    const bool overwrite = !ctx->saved_data["returned"].toBool() &&
+                           !torch::autograd::get_current_graph_task_keep_graph() && IsPlainCpu(saved[3]) &&
+                           saved[3].storage().use_count() == 1;
+    auto [dx, dweights] = (overwrite ? overwrite_op : op)
+                              .call(grads[0], saved[0], saved[1], up, saved[3], activation, x_grad, weights_grad,
+                                    config.empty() ? at::OptionalIntArrayRef() : at::OptionalIntArrayRef(config));
+    saved.clear();
     tensor_list result(7);  // one per forward argument
     if (x_grad) result[0] = dx;
     if (weights_grad && pair) {
@@ -317,6 +362,11 @@ TORCH_LIBRARY_FRAGMENT(tokamax, m) {
   m.def("gated_linear_unit_reference" TOKAMAX_GLU_ARGS);
   m.def("_gated_linear_unit_backward(Tensor dout, Tensor x, Tensor weights, Tensor? up_weights, Tensor residuals, "
         "str activation, bool x_grad, bool weights_grad, int[]? config=None) -> (Tensor dx, Tensor dweights)");
+  // The same, d(pre-activations) written over `residuals` (the autograd backward's choice when
+  // the graph is not kept): their contents after the call are unspecified.
+  m.def("_gated_linear_unit_backward_overwrite(Tensor dout, Tensor x, Tensor weights, Tensor? up_weights, "
+        "Tensor(a!) residuals, str activation, bool x_grad, bool weights_grad, int[]? config=None) -> "
+        "(Tensor dx, Tensor dweights)");
   tokamax::DefineConfigOps<&tokamax::GluConfigProblem, &tokamax::GatedLinearUnitHeuristicConfig,
                            &tokamax::GatedLinearUnitConfigSpace>(m, "Tensor x, Tensor weights, Tensor? up_weights=None");
 }
@@ -324,11 +374,13 @@ TORCH_LIBRARY_FRAGMENT(tokamax, m) {
 TORCH_LIBRARY_IMPL(tokamax, CPU, m) {
   m.impl("gated_linear_unit", &tokamax::GluCpu);
   m.impl("_gated_linear_unit_backward", &tokamax::GluBackwardCpu);
+  m.impl("_gated_linear_unit_backward_overwrite", &tokamax::GluBackwardOverwriteCpu);
 }
 
 TORCH_LIBRARY_IMPL(tokamax, Meta, m) {
   m.impl("gated_linear_unit", &tokamax::GluMeta);
   m.impl("_gated_linear_unit_backward", &tokamax::GluBackwardMeta);
+  m.impl("_gated_linear_unit_backward_overwrite", &tokamax::GluBackwardMeta);
 }
 
 TORCH_LIBRARY_IMPL(tokamax, CompositeImplicitAutograd, m) {

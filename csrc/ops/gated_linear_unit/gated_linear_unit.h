@@ -64,7 +64,10 @@ struct GatedLinearUnitBackwardParams {
   StridedView<2> weights;    // [K, 2N]
   StridedView<3> residuals;  // [M, 2, N]
   Activation activation = Activation::kSilu;
-  MutableStridedView<2> dpre;      // [M, 2N] working memory, x's dtype (the GEMMs' operand)
+  // [M, 2N] working memory, x's dtype (the GEMMs' operand). May be the residuals' own memory
+  // (dpre(i, j) at residuals(i, 0, j), dpre(i, N + j) at residuals(i, 1, j)): each element is
+  // read before it is written, so the backward then needs no [M, 2N] of its own.
+  MutableStridedView<2> dpre;
   MutableStridedView<2> dx;        // [M, K]; null data: not computed
   MutableStridedView<2> dweights;  // [K, 2N]; null data: not computed
 };
