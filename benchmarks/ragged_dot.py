@@ -5,6 +5,17 @@ FMA peak and the read bandwidth measured in the same run. Prints a table and wri
 benchmarks/results/ragged_dot.{json,png}.
 
     python benchmarks/ragged_dot.py [--reps 5] [--shapes a,b,c] [--dtypes float32,bfloat16]
+
+Per ISA tier (issue 22): one table per tier, each case's ratio to the fastest PyTorch path
+measured in the same process (torch._grouped_mm, a loop of torch.mm), cases below 1.0x marked.
+Each tier runs in a subprocess with TOKAMAX_CPU_ISA=<tier> for the kernel and PyTorch capped to
+the same instructions (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS):
+
+    python benchmarks/ragged_dot.py --tiers all [--quick] [--compare /path/to/other/checkout]
+
+--quick: 3 timed calls per case. --compare: a second checkout's tokamax_torch (e.g. main) is
+timed in the same subprocess, interleaved with this one, as the "before" column. Shape z is
+issue 22's MoE case: 128 groups of Zipf-distributed sizes (group i ~ 1 / (i + 1)).
 """
 
 from __future__ import annotations
@@ -24,7 +35,18 @@ SHAPES = {
     "a": dict(m=8192, k=1024, n=1024, g=8),
     "b": dict(m=4096, k=1024, n=512, g=64),
     "c": dict(m=64, k=2048, n=1024, g=16),
+    "z": dict(m=4096, k=1024, n=512, g=128, zipf=True),
 }
+
+
+def group_sizes_of(s) -> torch.Tensor:
+    """Equal groups, or for a zipf shape sizes ~ 1 / (i + 1), the remainder on the first."""
+    if not s.get("zipf"):
+        return torch.full((s["g"],), s["m"] // s["g"], dtype=torch.int32)
+    weights = torch.tensor([1.0 / (i + 1) for i in range(s["g"])], dtype=torch.float64)
+    sizes = torch.floor(weights / weights.sum() * s["m"]).to(torch.int64)
+    sizes[0] += s["m"] - int(sizes.sum())
+    return sizes.to(torch.int32)
 
 
 def mm_loop(lhs, rhs, group_sizes):
@@ -80,7 +102,17 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--configs", default="",
                         help="optional JSON file mapping shape name -> [fwd config list, bwd config list]")
+    parser.add_argument("--tiers", default="", help="comma-separated ISA tiers, or 'all': one table per tier")
+    parser.add_argument("--quick", action="store_true", help="per-tier tables with 3 timed calls per case")
+    parser.add_argument("--compare", default="", help="another checkout whose tokamax_torch is timed as 'before'")
+    parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        tier_worker(args)
+        return
+    if args.tiers:
+        tier_tables(args)
+        return
 
     ceilings = common.measure_ceilings()
     info = common.machine()
@@ -100,7 +132,7 @@ def main() -> None:
             torch.manual_seed(0)
             lhs = torch.randn(s["m"], s["k"], dtype=dtype)
             rhs = torch.randn(s["g"], s["k"], s["n"], dtype=dtype)
-            gs = torch.full((s["g"],), s["m"] // s["g"], dtype=torch.int32)
+            gs = group_sizes_of(s)
             for backward in (False, True):
                 flops = 2 * s["m"] * s["k"] * s["n"] * (3 if backward else 1)
                 results = {}
@@ -214,6 +246,134 @@ def plot(rows, ceilings, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
+
+
+# ---- per-tier tables (issue 22) -----------------------------------------------------------------
+
+# PyTorch capped to the instructions of each of our tiers: ATen's kernels, oneDNN (bf16 matmul,
+# AMX) and MKL (fp32 sgemm).
+TIER_CAPS = {
+    "amx": {},
+    "avx512bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "scalar": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+               "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
+# A loop of torch.mm under autograd with many groups takes seconds (split/cat backward): it is
+# timed for the forward always and for forward+backward up to this many groups.
+LOOP_BACKWARD_MAX_GROUPS = 16
+
+
+def tier_worker(args) -> None:
+    """One tier in this process: JSON lines of median ms per (shape, dtype, pass, implementation)."""
+    import json
+    import os
+
+    # A --compare checkout runs in its own worker process: both register torch.ops.tokamax.
+    reps = 3 if args.quick else args.reps
+    torch.manual_seed(0)
+    for shape_name in args.shapes.split(","):
+        s = SHAPES[shape_name]
+        for dtype_name in args.dtypes.split(","):
+            dtype = getattr(torch, dtype_name)
+            lhs = torch.randn(s["m"], s["k"], dtype=dtype)
+            rhs = torch.randn(s["g"], s["k"], s["n"], dtype=dtype)
+            gs = group_sizes_of(s)
+            for backward in (False, True):
+                fns = {"tokamax": lambda l, r, g: tokamax_torch.ragged_dot(l, r, g), "torch._grouped_mm": grouped_mm}
+                if not backward or s["g"] <= LOOP_BACKWARD_MAX_GROUPS:
+                    fns["torch.mm loop"] = mm_loop
+                # Interleaved calls (common.time_interleaved): each sees the same drift of a shared machine.
+                steps = []
+                for fn in fns.values():
+                    if backward:
+                        l = lhs.detach().requires_grad_()
+                        r = rhs.detach().requires_grad_()
+                        dout = torch.randn(lhs.shape[0], rhs.shape[2], dtype=dtype)
+
+                        def step(fn=fn, l=l, r=r, dout=dout):
+                            l.grad = r.grad = None
+                            fn(l, r, gs).backward(dout)
+                    else:
+                        def step(fn=fn):
+                            with torch.no_grad():
+                                fn(lhs, rhs, gs)
+                    steps.append(step)
+                times = common.time_interleaved(steps, reps=reps)
+                for name, t in zip(fns, times):
+                    print(json.dumps(dict(shape=shape_name, dtype=dtype_name, backward=backward, implementation=name,
+                                          median_ms=t["median_ms"], tier=os.environ.get("TOKAMAX_CPU_ISA", ""))),
+                          flush=True)
+
+
+def _run_worker(args, tier: str, package_root: str) -> list[dict]:
+    import json
+    import os
+    import subprocess
+
+    env = dict(os.environ, TOKAMAX_CPU_ISA=tier, PYTHONPATH=package_root, **TIER_CAPS.get(tier, {}))
+    cmd = [sys.executable, __file__, "--worker", "1", "--shapes", args.shapes, "--dtypes", args.dtypes,
+           "--reps", str(args.reps)] + (["--quick"] if args.quick else [])
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        print(f"tier {tier} ({package_root}) failed:\n{out.stderr[-2000:]}")
+        return []
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def tier_tables(args) -> None:
+    import pathlib
+
+    here = str(pathlib.Path(__file__).resolve().parent.parent)
+    tiers = list(TIER_CAPS) if args.tiers == "all" else args.tiers.split(",")
+    tiers = [t for t in tiers if t != "scalar" or args.tiers != "all"]  # scalar only when named
+    ceilings = common.measure_ceilings()
+    info = common.machine()
+    print(f"machine: {info['cpu']} ({info['device_kind']}), {info['threads']} threads, torch {info['torch']}")
+    print(f"ceilings (measured now, best tier): fp32 FMA peak {ceilings['fma_gflops']:.1f} GFLOP/s "
+          f"(256-bit: {ceilings['fma_avx2_gflops']:.1f}), bf16 engine {ceilings['bf16_gflops']:.1f} GFLOP/s, "
+          f"read bandwidth {ceilings['read_gbps']:.1f} GB/s")
+    all_rows = []
+    for tier in tiers:
+        after = _run_worker(args, tier, here)
+        before = _run_worker(args, tier, args.compare) if args.compare else []
+        all_rows += [dict(r, checkout="after") for r in after] + [dict(r, checkout="before") for r in before]
+        caps = " ".join(f"{k}={v}" for k, v in TIER_CAPS.get(tier, {}).items()) or "uncapped"
+        print(f"\ntier {tier} (PyTorch: {caps}); ratio = fastest PyTorch path / tokamax, * below 1.0x")
+        head = f"{'case':<40}{'dtype':<10}{'pass':<9}{'tokamax ms':>11}{'torch ms':>10}{'fastest':>19}{'ratio':>8}"
+        if before:
+            head += f"{'before ms':>11}{'ratio':>8}"
+        print(head)
+        print("-" * len(head))
+        for shape_name in args.shapes.split(","):
+            s = SHAPES[shape_name]
+            label = f"({shape_name}) M={s['m']} K={s['k']} N={s['n']} G={s['g']}" + (" Zipf" if s.get("zipf") else "")
+            for dtype_name in args.dtypes.split(","):
+                for backward in (False, True):
+                    def pick(rows, name):
+                        return next((r["median_ms"] for r in rows if r["shape"] == shape_name and
+                                     r["dtype"] == dtype_name and r["backward"] == backward and
+                                     r["implementation"] == name), None)
+                    ours = pick(after, "tokamax")
+                    torch_paths = {n: pick(after, n) for n in ("torch._grouped_mm", "torch.mm loop")}
+                    torch_paths = {n: v for n, v in torch_paths.items() if v is not None}
+                    if ours is None or not torch_paths:
+                        continue
+                    fastest = min(torch_paths, key=torch_paths.get)
+                    ratio = torch_paths[fastest] / ours
+                    line = (f"{label:<40}{dtype_name:<10}{'fwd+bwd' if backward else 'fwd':<9}{ours:>11.2f}"
+                            f"{torch_paths[fastest]:>10.2f}{fastest:>19}{ratio:>7.2f}x{'*' if ratio < 1.0 else ' '}")
+                    old = pick(before, "tokamax")
+                    old_torch = min((v for n in ("torch._grouped_mm", "torch.mm loop")
+                                     if (v := pick(before, n)) is not None), default=None)
+                    if old is not None and old_torch is not None:
+                        old_ratio = old_torch / old
+                        line += f"{old:>10.2f}{old_ratio:>7.2f}x{'*' if old_ratio < 1.0 else ' '}"
+                    print(line)
+    path = common.write_json("ragged_dot_tiers", {"machine": info, "ceilings": ceilings, "rows": all_rows})
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

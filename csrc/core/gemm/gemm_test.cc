@@ -158,6 +158,40 @@ TEST_P(GemmMicroTest, PackAMatchesElementwise) {
   }
 }
 
+// pack_b of a row-major fp32 B (the row walk) and of its transposed view (whole panels by the
+// register transpose, a last partial panel element-wise): every panel element is B's, zero past
+// the last column, nothing written past the panels.
+TEST_P(GemmMicroTest, PackBMatchesElementwise) {
+  const Isa isa = GetParam();
+  if (!IsaSupported(isa, GetCpuInfo())) GTEST_SKIP() << IsaName(isa) << " not supported here";
+  const GemmKernels& kernels = GetGemmKernels(isa);
+  const int64_t nr = kernels.nr, ld = 83;
+  Buffer source(DType::kFloat32, ld * ld);
+  testing::FillRandom(source, ld * ld, 8);
+  const float* data = static_cast<const float*>(source.data());
+  for (bool transposed : {false, true}) {
+    for (int64_t cols : {int64_t{1}, nr - 1, nr, 2 * nr + 3}) {
+      for (int64_t depth : {1, 7, 8, 9, 16, 21, 40}) {
+        const int64_t col0 = 2, k0 = 3, panels = (cols + nr - 1) / nr, size = panels * nr * depth;
+        // B(p, j) at data[p * ld + j], or for the transposed view at data[j * ld + p].
+        const ConstMatrix b = transposed ? ConstMatrix{data, DType::kFloat32, ld, ld, 1, ld}
+                                         : ConstMatrix{data, DType::kFloat32, ld, ld, ld, 1};
+        std::vector<float> got(size + 16, -7.0f);
+        kernels.pack_b(b, k0, depth, col0, cols, got.data());
+        for (int64_t c = 0; c < panels * nr; ++c) {
+          for (int64_t p = 0; p < depth; ++p) {
+            const int64_t i = k0 + p, j = col0 + c;
+            const float want = c < cols ? (transposed ? data[j * ld + i] : data[i * ld + j]) : 0.0f;
+            ASSERT_EQ(got[(c / nr) * nr * depth + p * nr + c % nr], want)
+                << "transposed " << transposed << " cols " << cols << " depth " << depth << " c " << c << " p " << p;
+          }
+        }
+        for (int64_t e = size; e < size + 16; ++e) ASSERT_EQ(got[e], -7.0f) << "wrote past the panels";
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllTiers, GemmMicroTest, ::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512),
                          [](const auto& info) { return std::string(IsaName(info.param)); });
 INSTANTIATE_TEST_SUITE_P(
