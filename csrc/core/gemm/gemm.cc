@@ -280,13 +280,19 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
   }
   // The bf16 engine needs B packed into VNNI panels and pads the rows to whole 16-row tiles.
   // Where the blocking would read B in place and the region is shorter than one tile, the
-  // packing and the padding cost more than the engine saves, so B is widened in place by the
-  // fp32 micro-kernels. Measured on Zen 4, ragged_dot bf16 forward: groups of 4 rows over
+  // packing and the padding cost more than the dot engine saves, so B is widened in place by
+  // the fp32 micro-kernels. Measured on Zen 4, ragged_dot bf16 forward: groups of 4 rows over
   // 64 MiB of weights 5.4 ms widened in place against 8.8 ms on the engine; groups of 64 rows
-  // 15 ms on the engine against 27-31 ms widened.
+  // 15 ms on the engine against 27-31 ms widened. The tile unit takes them in slices of 128 or
+  // more deep: its padded rows cost next to nothing, and the VNNI packing (a shuffle per 64
+  // bytes, bound by reading B) is cheaper than widening B into 12-row fp32 FMAs
+  // (intel_model167_amx, ragged_dot bf16 128 Zipf groups, 2 threads: 11.6-12.3 -> 9.3-10.3
+  // ms). Shallower slices (the 32 deep of 4-8-row groups) lost on the engine: its C tiles are
+  // reloaded per slice (16 groups of 4 rows, K=2048: 3.0 -> 3.3 ms; issue 22).
   const GemmGate* gate = epilogue.gate;
   const bool b_read_in_place = !blocking.pack_b && b.col_stride == 1 && (gate == nullptr || gate->up.col_stride == 1);
-  const bool few_rows_in_place = b_read_in_place && m1 - m0 < kBf16TileRows;
+  const bool tile_unit_takes_few = kernels.bf16.tile_unit && blocking.block_k >= 128;
+  const bool few_rows_in_place = b_read_in_place && m1 - m0 < kBf16TileRows && !tile_unit_takes_few;
   // Once per region: the lease's two mutex round trips are nothing beside the region's tiles.
   ScratchLease scratch;
   if (kernels.bf16 && a.dtype == DType::kBFloat16 && b.dtype == DType::kBFloat16 &&

@@ -150,6 +150,16 @@ RaggedDotConfig HeuristicOfShape(const RaggedDotShape& shape, DType dtype, const
   while (task_m > config.block_m && groups * column_blocks * CeilDiv(rows, task_m) < kTargetTasks) {
     task_m = RoundUp(task_m / 2, config.block_m);
   }
+  // A bf16 engine packs B into VNNI panels once per task, a pass bound by reading B from
+  // memory, so a big group cut into block_m-row tasks reads its B once per task. Where the groups
+  // alone give enough tasks, tasks of at least 144 rows: only groups larger than the average
+  // (skewed sizes) are cut fewer times (intel_model167_amx, bf16 forward, 128 Zipf groups, 2
+  // threads: amx 11.4-11.6 -> 9.8-10.1 ms, avx512bf16 31.5-32.1 -> 25.6-26.4 ms; issue 22).
+  // Sharing one packed B among a group's tasks instead measured no faster (each task still
+  // reads 1 MiB of packed panels from memory).
+  if (bf16_engine && groups * column_blocks >= kTargetTasks) {
+    task_m = std::max(task_m, RoundUp(144, config.block_m));
+  }
   // Cap the per-thread fp32 accumulator (task_m x block_n) at 8 MiB.
   const int64_t max_task_m =
       std::min((int64_t{8} << 20) / (config.block_n * 4), kMaxTaskM) / config.block_m * config.block_m;
