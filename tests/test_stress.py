@@ -20,7 +20,6 @@ configs depend on shapes only (the heuristic for configs=None).
 from __future__ import annotations
 
 import dataclasses
-import os
 import queue
 import random
 import threading
@@ -43,9 +42,8 @@ COPIES_PER_ROUND = 3
 #: How long the cache-emptying thread waits between empties: long enough that calls in between
 #: reuse cached mappings, short enough that it empties many times per round.
 EMPTY_CACHE_INTERVAL_S = 0.005
-#: What the buffer cache may hold: TOKAMAX_BUFFER_CACHE_MIB, a non-negative integer, else 256 MiB.
-_CACHE_MIB = os.environ.get("TOKAMAX_BUFFER_CACHE_MIB", "")
-_CACHE_LIMIT_BYTES = (int(_CACHE_MIB) if _CACHE_MIB.isdigit() else 256) << 20
+#: What the buffer cache may hold (TOKAMAX_BUFFER_CACHE_MIB, else a default from the memory size).
+_CACHE_LIMIT_BYTES = tokamax_torch.cache_limit()
 
 
 @dataclasses.dataclass

@@ -46,12 +46,14 @@ def device_kind(device=None) -> str:
 def empty_cache() -> None:
     """Returns the kernels' cached working memory to the operating system.
 
-    The kernels keep two kinds of working memory after a call, so the next call reuses it: large
-    per-call buffers (packed K/V copies, partial sums; already-mapped pages instead of fresh
-    zeroed ones) and each thread's scratch (packed GEMM panels, attention's tile buffers). Both
-    together are held up to ``TOKAMAX_BUFFER_CACHE_MIB`` MiB (default 256; 0 keeps none). This
-    frees all of it; scratch in use by a kernel running on another thread at that moment is
-    freed when that kernel's task ends. ``cached_bytes()`` says how much is held.
+    The kernels keep two kinds of memory after a call, so the next call reuses it: large
+    buffers (per-call packed K/V copies and partial sums, and the memory of the ops' freed output
+    tensors over 1 MiB; already-mapped pages instead of fresh zeroed ones) and each thread's
+    scratch (packed GEMM panels, attention's tile buffers). Both together are held up to
+    ``cache_limit()`` bytes (``TOKAMAX_BUFFER_CACHE_MIB``; default 1/8 of memory, clamped to
+    256 MiB..4 GiB; 0 keeps none). This frees all of it; scratch in use by a kernel running on
+    another thread at that moment is freed when that kernel's task ends; live tensors are never
+    touched. ``cached_bytes()`` says how much is held.
     """
     torch.ops.tokamax._empty_buffer_cache()
 
@@ -60,6 +62,18 @@ def cached_bytes() -> int:
     """Bytes of working memory the kernels hold for reuse: the large-buffer cache plus every
     thread's idle scratch (see ``empty_cache``); 0 right after ``empty_cache()``."""
     return int(torch.ops.tokamax._buffer_cache_bytes())
+
+
+def cache_limit() -> int:
+    """The most bytes ``cached_bytes()`` may reach (see ``empty_cache``)."""
+    return int(torch.ops.tokamax._buffer_cache_limit())
+
+
+def set_cache_limit(nbytes: int) -> None:
+    """Sets ``cache_limit()`` for this process (as ``TOKAMAX_BUFFER_CACHE_MIB`` does at start),
+    freeing what no longer fits. 0 turns the cache off: from then on large outputs come from
+    torch's allocator and every buffer is returned to the system when freed."""
+    torch.ops.tokamax._set_buffer_cache_limit(int(nbytes))
 
 
 def get_configs(op, *args, from_autotuning_cache: bool = False, **kwargs):
@@ -97,6 +111,7 @@ __all__ = sorted([
     "AutotuningResult",
     "BoundArguments",
     "autotune",
+    "cache_limit",
     "cached_bytes",
     "config",
     "device_kind",
@@ -104,5 +119,6 @@ __all__ = sorted([
     "get_configs",
     "ops",
     "rms_norm",
+    "set_cache_limit",
     *_registry.families(),
 ])

@@ -1,12 +1,10 @@
 // Small helpers every op adapter shares: dtype mapping, shape strings for error messages and
-// huge-page advice for fresh outputs. Adapter-only (sees torch).
+// the allocation of outputs. Adapter-only (sees torch).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <initializer_list>
@@ -68,20 +66,29 @@ MutableStridedView<N> MutableStridedViewOf(const at::Tensor& t, const char* op) 
   return StridedViewOf<N, void*>(t, op);
 }
 
-// A fresh multi-MiB output is first touched by the kernel, and 4 KiB page faults cost ~10 ms
-// per 32 MiB here (~15% of an 8192x1024x1024 ragged_dot). Asking for transparent huge pages
-// on its 2 MiB-aligned interior (Linux, THP "madvise" mode) cuts the fault count 512-fold.
-inline void AdviseHugePages(const at::Tensor& out) {
-#ifdef MADV_HUGEPAGE
-  constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
-  const size_t bytes = out.nbytes();
-  if (!out.device().is_cpu() || bytes < 4 * kHugePage) return;
-  const uintptr_t start = reinterpret_cast<uintptr_t>(out.data_ptr());
-  const uintptr_t begin = (start + kHugePage - 1) & ~(kHugePage - 1);
-  const uintptr_t end = (start + bytes) & ~(kHugePage - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // advisory only
-#endif
+// ---- outputs: the one way adapters create the tensors a kernel writes -------------------------
+//
+// Above LargeBufferBytes::kMapThreshold (1 MiB) an output's storage is a LargeBufferBytes
+// (csrc/core/runtime/large_buffer.h): 2 MiB-aligned, advised for huge pages, and when the tensor
+// is freed its mapping goes to the process-wide cache, so the next call's output of about the
+// same size is already faulted in (glibc unmaps freed blocks over 32 MiB: each call paid ~10 ms of
+// page faults per 32 MiB). Smaller outputs, and all of them when the cache limit is 0, come from
+// torch's CPU allocator. Uninitialised (a reused mapping holds an earlier tensor's values): the
+// kernel writes every element. The storage is resizable (resize_ allocates through the same
+// allocator). Non-CPU devices (Meta) and symbolic sizes fall back to at::empty/at::zeros.
+// docs/design.md, "Pooled outputs".
+at::Tensor NewOutputSymint(c10::SymIntArrayRef sizes, const at::TensorOptions& options);
+inline at::Tensor NewOutput(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return NewOutputSymint(c10::fromIntArrayRefSlow(sizes), options);
 }
+// Zero-filled (a fresh mapping is zero already; a reused one is cleared with memset).
+at::Tensor NewZeroedOutputSymint(c10::SymIntArrayRef sizes, const at::TensorOptions& options);
+inline at::Tensor NewZeroedOutput(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return NewZeroedOutputSymint(c10::fromIntArrayRefSlow(sizes), options);
+}
+// at::empty_like(t): t's strides when t is dense and non-overlapping (a transposed view gets a
+// transposed output), else contiguous.
+at::Tensor NewOutputLike(const at::Tensor& t);
 
 // The Autograd kernel of an op without a gradient (upstream defines none), boxed so one function
 // serves every such op: it runs the op below autograd, so its outputs never require grad, the

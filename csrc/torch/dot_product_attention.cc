@@ -335,9 +335,8 @@ std::tuple<Tensor, Tensor> DotProductAttentionCpu(const AttentionArgs& a) {
                                                            DotProductAttentionProduct::kForward);
   KernelInputs in;
   FillKernelInputs(a, sig, &in);
-  Tensor out = at::empty_symint(OutShape(sig), a.query.options());
-  Tensor lse = at::empty_symint(LseShape(sig), a.query.options().dtype(sig.lse_dtype));
-  AdviseHugePages(out);
+  Tensor out = NewOutputSymint(OutShape(sig), a.query.options());
+  Tensor lse = NewOutputSymint(LseShape(sig), a.query.options().dtype(sig.lse_dtype));
   in.params.out = MutableStridedViewOf<4>(out, kOp);
   SetLse(lse, &in.params);
   const Status status = DotProductAttention(in.params, resolved);
@@ -382,10 +381,10 @@ void CheckBackwardArgs(const GradArgs& g, const Tensor& query, const AttentionSi
 }
 
 BackwardResult EmptyGradients(const AttentionArgs& a, bool bias_requires_grad, const AttentionSignature& sig) {
-  Tensor dq = at::empty_symint({sig.batch, sig.q_len, sig.q_heads, sig.head_dim}, a.query.options());
-  Tensor dk = at::empty_symint({sig.batch, sig.kv_len, sig.kv_heads, sig.head_dim}, a.key.options());
-  Tensor dv = at::empty_symint({sig.batch, sig.kv_len, sig.kv_heads, sig.value_dim}, a.value.options());
-  Tensor dbias = bias_requires_grad && a.bias.has_value() ? at::empty_symint(a.bias->sym_sizes(), a.bias->options())
+  Tensor dq = NewOutputSymint({sig.batch, sig.q_len, sig.q_heads, sig.head_dim}, a.query.options());
+  Tensor dk = NewOutputSymint({sig.batch, sig.kv_len, sig.kv_heads, sig.head_dim}, a.key.options());
+  Tensor dv = NewOutputSymint({sig.batch, sig.kv_len, sig.kv_heads, sig.value_dim}, a.value.options());
+  Tensor dbias = bias_requires_grad && a.bias.has_value() ? NewOutputSymint(a.bias->sym_sizes(), a.bias->options())
                                                           : at::empty({0}, a.query.options());
   return {dq, dk, dv, dbias};
 }
@@ -399,7 +398,6 @@ BackwardResult DotProductAttentionBackwardCpu(const AttentionArgs& a, const Grad
   KernelInputs in;
   FillKernelInputs(a, sig, &in);
   auto [dq, dk, dv, dbias] = EmptyGradients(a, grad.bias_requires_grad, sig);
-  for (const Tensor* x : {&dq, &dk, &dv}) AdviseHugePages(*x);
   DotProductAttentionGradParams g;
   g.forward = in.params;
   g.forward.out = MutableStridedViewOf<4>(grad.out, kOp);  // read only here: the params' output type
@@ -425,7 +423,7 @@ BackwardResult DotProductAttentionBackwardCpu(const AttentionArgs& a, const Grad
     g.dbias_sum_batches = shared_by_batches && DotProductAttentionBackwardTasksPerBatch(
                                                    sig.q_len.expect_int(), sig.kv_heads.expect_int(), resolved) >=
                                                    at::get_num_threads();
-    dense_dbias = at::empty({g.dbias_sum_batches ? 1 : batch, sig.q_heads.expect_int(), sig.q_len.expect_int(),
+    dense_dbias = NewOutput({g.dbias_sum_batches ? 1 : batch, sig.q_heads.expect_int(), sig.q_len.expect_int(),
                              sig.kv_len.expect_int()},
                             a.query.options().dtype(sig.lse_dtype));
     g.dbias = dense_dbias.data_ptr();
@@ -434,7 +432,7 @@ BackwardResult DotProductAttentionBackwardCpu(const AttentionArgs& a, const Grad
   TORCH_CHECK(status.ok(), status.message());
   if (dense_dbias.defined()) {
     if (shared_by_batches && !g.dbias_sum_batches) {
-      Tensor summed = at::zeros_like(dense_dbias[0]);
+      Tensor summed = NewZeroedOutput(dense_dbias[0].sizes(), dense_dbias.options());
       for (int64_t b = 0; b < batch; ++b) summed.add_(dense_dbias[b]);
       dense_dbias = summed.unsqueeze(0);
     }

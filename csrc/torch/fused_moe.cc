@@ -157,13 +157,11 @@ FusedExpertsParams ParamsOf(const Tensor& x, const Tensor& w1, const Tensor& w2,
 Tensor RunExperts(const Tensor& x, const Tensor& w1, const Tensor& w2, const Tensor& topk_weights,
                   const Tensor& topk_ids, c10::string_view act_fn, const OptTensor& w1_bias, const OptTensor& w2_bias,
                   const FusedExpertsConfig& config, Tensor* residuals = nullptr) {
-  Tensor out = at::empty(x.sizes(), x.options());
-  AdviseHugePages(out);
+  Tensor out = NewOutput(x.sizes(), x.options());
   FusedExpertsParams params = ParamsOf(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias);
   params.out = MutableStridedViewOf<2>(out, "fused_experts");
   if (residuals != nullptr) {
-    *residuals = at::empty({topk_ids.numel(), w1.size(2)}, x.options());
-    AdviseHugePages(*residuals);
+    *residuals = NewOutput({topk_ids.numel(), w1.size(2)}, x.options());
     params.residuals = residuals->data_ptr();
   }
   const Status status = FusedExperts(params, config);
@@ -174,7 +172,7 @@ Tensor RunExperts(const Tensor& x, const Tensor& w1, const Tensor& w2, const Ten
 // A gradient laid out as its input (a transposed weight view gets a transposed gradient, so the
 // caller's transpose back is contiguous).
 Tensor GradLike(const Tensor& t) {
-  return t.is_non_overlapping_and_dense() ? at::empty_like(t) : at::empty(t.sizes(), t.options());
+  return NewOutputLike(t);
 }
 
 Grads RunExpertsBackward(const Tensor& dout, const Tensor& x, const Tensor& w1, const Tensor& w2,
@@ -184,13 +182,10 @@ Grads RunExpertsBackward(const Tensor& dout, const Tensor& x, const Tensor& w1, 
   TORCH_CHECK(dout.sizes() == x.sizes() && dout.scalar_type() == x.scalar_type(), "fused_experts backward: dout must be ",
               x.scalar_type(), ShapeString(x), ", got ", dout.scalar_type(), ShapeString(dout));
   constexpr const char* op = "fused_experts";
-  Tensor dx = at::empty(x.sizes(), x.options()), dw1 = GradLike(w1), dw2 = GradLike(w2);
-  Tensor db1 = w1_bias ? at::empty(w1_bias->sizes(), w1_bias->options()) : at::empty({0}, x.options());
-  Tensor db2 = w2_bias ? at::empty(w2_bias->sizes(), w2_bias->options()) : at::empty({0}, x.options());
-  Tensor dtw = at::empty(topk_weights.sizes(), topk_weights.options());
-  // The weight gradients are weight-sized (1.1 GB at E=64, H=2048, I=1408 in bf16): 4 KiB faults
-  // on first touch cost about a third of the backward there.
-  for (const Tensor* t : {&dx, &dw1, &dw2}) AdviseHugePages(*t);
+  Tensor dx = NewOutput(x.sizes(), x.options()), dw1 = GradLike(w1), dw2 = GradLike(w2);
+  Tensor db1 = w1_bias ? NewOutput(w1_bias->sizes(), w1_bias->options()) : at::empty({0}, x.options());
+  Tensor db2 = w2_bias ? NewOutput(w2_bias->sizes(), w2_bias->options()) : at::empty({0}, x.options());
+  Tensor dtw = NewOutput(topk_weights.sizes(), topk_weights.options());
   FusedExpertsParams params = ParamsOf(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias);
   params.dout = StridedViewOf<2>(dout, op);
   params.dx = MutableStridedViewOf<2>(dx, op);
@@ -416,8 +411,8 @@ ConfigProblem<FusedExpertsShape> FusedExpertsConfigProblem(const Tensor& x, cons
 // ---- fused_moe --------------------------------------------------------------------------------
 
 std::pair<Tensor, Tensor> Route(const Tensor& gating, int64_t topk, bool renormalize) {
-  Tensor weights = at::empty({gating.size(0), topk}, gating.options().dtype(at::kFloat));
-  Tensor ids = at::empty({gating.size(0), topk}, gating.options().dtype(at::kInt));
+  Tensor weights = NewOutput({gating.size(0), topk}, gating.options().dtype(at::kFloat));
+  Tensor ids = NewOutput({gating.size(0), topk}, gating.options().dtype(at::kInt));
   MoeRouterParams params;
   params.gating = StridedViewOf<2>(gating, "fused_moe");
   params.k = topk;
@@ -467,7 +462,7 @@ Grads FusedMoeBackwardCpu(const Tensor& dout, const Tensor& x, const Tensor& w1,
   const auto [weights, ids] = Route(gating, topk, renormalize);
   auto [dx, dw1, dw2, db1, db2, dweights] = RunExpertsBackward(dout, x, w1, w2, weights, ids, act_fn, w1_bias,
                                                                 w2_bias, ToExpertsConfig(resolved), residuals);
-  Tensor dgating = at::empty(gating.sizes(), gating.options());
+  Tensor dgating = NewOutput(gating.sizes(), gating.options());
   MoeRouterParams params;
   params.gating = StridedViewOf<2>(gating, "fused_moe");
   params.k = topk;

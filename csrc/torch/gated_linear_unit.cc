@@ -101,10 +101,8 @@ std::tuple<Tensor, Tensor> GluCpu(const Tensor& x, const Tensor& weights, const 
   const GluConfigs configs = CheckGluArgs(x, weights, up_weights, activation, config, bwd_config, &act);
   const GatedLinearUnitShape shape = ShapeOf(x, weights);
   const Tensor rows = Rows(x, shape);
-  Tensor out = at::empty({shape.m, shape.n}, x.options());
-  AdviseHugePages(out);
-  Tensor residuals = return_residuals ? at::empty({shape.m, 2, shape.n}, x.options()) : at::empty({0}, x.options());
-  if (return_residuals) AdviseHugePages(residuals);
+  Tensor out = NewOutput({shape.m, shape.n}, x.options());
+  Tensor residuals = return_residuals ? NewOutput({shape.m, 2, shape.n}, x.options()) : at::empty({0}, x.options());
   GatedLinearUnitParams params;
   params.x = StridedViewOf<2>(rows, kOp);
   params.gate = StridedViewOf<2>(GateOf(weights, up_weights), kOp);
@@ -198,11 +196,10 @@ std::tuple<Tensor, Tensor> GluBackwardImpl(const Tensor& dout, const Tensor& x, 
   if (overwrite && residual_rows.is_contiguous()) {
     dpre = residual_rows.view({m, 2 * n});  // (i, j) and (i, N + j) are residuals (i, 0, j) and (i, 1, j)
   } else {
-    dpre = at::empty({m, 2 * n}, x.options());
-    AdviseHugePages(dpre);
+    dpre = NewOutput({m, 2 * n}, x.options());
   }
-  Tensor dx = x_grad ? at::empty({m, k}, x.options()) : at::empty({0}, x.options());
-  Tensor dweights = weights_grad ? at::empty({k, 2, n}, x.options()) : at::empty({0}, x.options());
+  Tensor dx = x_grad ? NewOutput({m, k}, x.options()) : at::empty({0}, x.options());
+  Tensor dweights = weights_grad ? NewOutput({k, 2, n}, x.options()) : at::empty({0}, x.options());
   const Tensor merged = x_grad ? MergedWeights(weights, up_weights) : Tensor();
   GatedLinearUnitBackwardParams params;
   params.dout = StridedViewOf<2>(dout_rows, kOp);

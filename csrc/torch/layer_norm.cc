@@ -112,13 +112,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> LayerNormCpu(const Tensor& x, const s
                                                         at::OptionalIntArrayRef bwd_config) {
   const LayerNormConfigs configs = CheckLayerNormArgs(x, scale, offset, residual, axis, epsilon, config, bwd_config);
   const LayerNormShape shape = ShapeOf(x);
-  Tensor y = at::empty(x.sizes(), x.options());
-  Tensor h = residual.has_value() ? at::empty(x.sizes(), x.options()) : at::empty({0}, x.options());
+  Tensor y = NewOutput(x.sizes(), x.options());
+  Tensor h = residual.has_value() ? NewOutput(x.sizes(), x.options()) : at::empty({0}, x.options());
   const auto lead = x.sizes().slice(0, x.dim() - 1);
-  Tensor mean = at::empty(lead, x.options().dtype(StatsType(x)));
-  Tensor rstd = at::empty(lead, x.options().dtype(StatsType(x)));
-  AdviseHugePages(y);
-  if (residual.has_value()) AdviseHugePages(h);
+  Tensor mean = NewOutput(lead, x.options().dtype(StatsType(x)));
+  Tensor rstd = NewOutput(lead, x.options().dtype(StatsType(x)));
   LayerNormParams params;
   params.rows = shape.rows;
   params.cols = shape.cols;
@@ -209,10 +207,10 @@ BackwardResult EmptyGradients(const Tensor& x, const std::optional<Tensor>& scal
                               const std::optional<Tensor>& offset, bool scale_grad, bool offset_grad,
                               bool residual_grad) {
   const Tensor none = at::empty({0}, x.options());
-  return {at::empty_symint(x.sym_sizes(), x.options()),
-          residual_grad ? at::empty_symint(x.sym_sizes(), x.options()) : none,
-          scale_grad && scale ? at::empty_symint(scale->sym_sizes(), scale->options()) : none,
-          offset_grad && offset ? at::empty_symint(offset->sym_sizes(), offset->options()) : none};
+  return {NewOutputSymint(x.sym_sizes(), x.options()),
+          residual_grad ? NewOutputSymint(x.sym_sizes(), x.options()) : none,
+          scale_grad && scale ? NewOutputSymint(scale->sym_sizes(), scale->options()) : none,
+          offset_grad && offset ? NewOutputSymint(offset->sym_sizes(), offset->options()) : none};
 }
 
 // `x` is the normalised input (h when a residual was added); `config` is the call's bwd_config.
@@ -225,7 +223,6 @@ BackwardResult LayerNormBackwardCpu(const Tensor& dy, const std::optional<Tensor
   CheckLayerNormBackwardArgs(dy, dh, x, mean, rstd);
   auto [dx, dresidual, dscale, doffset] = EmptyGradients(x, scale, offset, scale_grad, offset_grad, residual_grad);
   const LayerNormShape shape = ShapeOf(x);
-  AdviseHugePages(dx);
   LayerNormParams params;
   params.rows = shape.rows;
   params.cols = shape.cols;

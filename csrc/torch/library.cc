@@ -10,6 +10,7 @@
 
 #include "csrc/core/runtime/cpu_info.h"
 #include "csrc/core/runtime/isa.h"
+#include "csrc/core/runtime/large_buffer.h"
 #include "csrc/core/runtime/scratch_arena.h"
 #include "csrc/core/runtime/parallel.h"
 #include "csrc/core/runtime/roofline.h"
@@ -103,4 +104,10 @@ TORCH_LIBRARY(tokamax, m) {
   // cache): bytes held, and free all of it.
   m.def("_buffer_cache_bytes() -> int", [] { return static_cast<int64_t>(tokamax::CachedWorkingMemoryBytes()); });
   m.def("_empty_buffer_cache() -> ()", [] { tokamax::ReleaseCachedWorkingMemory(); });
+  // The one limit on all of it (the large-buffer cache also holds freed op outputs: pooled outputs).
+  m.def("_buffer_cache_limit() -> int", [] { return static_cast<int64_t>(tokamax::LargeBufferCacheLimit()); });
+  m.def("_set_buffer_cache_limit(int nbytes) -> ()", [](int64_t nbytes) {
+    TORCH_CHECK(nbytes >= 0, "set_cache_limit: nbytes must be >= 0, got ", nbytes);
+    tokamax::SetLargeBufferCacheLimit(static_cast<size_t>(nbytes));
+  });
 }

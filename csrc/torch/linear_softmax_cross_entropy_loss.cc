@@ -103,9 +103,9 @@ ForwardResult LceCpu(const Tensor& x, const Tensor& labels, const Tensor& weight
   const LceConfigs configs = CheckLceArgs(x, labels, weights, reduction, label_smoothing, z_loss_weight,
                                           logits_soft_cap, config, bwd_config);
   const auto options = x.options().dtype(AccType(x));
-  Tensor loss = ParseReduction(reduction) == LossReduction::kNone ? at::empty({x.size(0)}, options)
-                                                                  : at::empty({}, options);
-  Tensor lse = at::empty({x.size(0)}, options);
+  Tensor loss = ParseReduction(reduction) == LossReduction::kNone ? NewOutput({x.size(0)}, options)
+                                                                  : NewOutput({}, options);
+  Tensor lse = NewOutput({x.size(0)}, options);
   Tensor labels64;
   LinearCrossEntropyParams params = ParamsOf(x, labels, weights, reduction, ignore_index, label_smoothing,
                                              z_loss_weight, logits_soft_cap, &labels64);
@@ -181,8 +181,8 @@ void CheckLceBackwardArgs(const std::optional<Tensor>& dloss, const std::optiona
 BackwardResult EmptyGradients(const Tensor& x, const Tensor& weights, bool x_grad, bool weights_grad) {
   const Tensor none = at::empty({0}, x.options());
   // dweights has weights' layout (an nn.Linear weight's transposed view gets a transposed view).
-  return {x_grad ? at::empty_symint(x.sym_sizes(), x.options()) : none,
-          weights_grad ? at::empty_like(weights) : none};
+  return {x_grad ? NewOutputSymint(x.sym_sizes(), x.options()) : none,
+          weights_grad ? NewOutputLike(weights) : none};
 }
 
 BackwardResult LceBackwardCpu(const std::optional<Tensor>& dloss, const std::optional<Tensor>& dlse, const Tensor& x,
@@ -194,8 +194,6 @@ BackwardResult LceBackwardCpu(const std::optional<Tensor>& dloss, const std::opt
       CheckLceArgs(x, labels, weights, reduction, label_smoothing, z_loss_weight, logits_soft_cap, config);
   CheckLceBackwardArgs(dloss, dlse, x, lse, reduction);
   auto [dx, dweights] = EmptyGradients(x, weights, x_grad, weights_grad);
-  if (x_grad) AdviseHugePages(dx);
-  if (weights_grad) AdviseHugePages(dweights);
   Tensor labels64;
   LinearCrossEntropyParams params = ParamsOf(x, labels, weights, reduction, ignore_index, label_smoothing,
                                              z_loss_weight, logits_soft_cap, &labels64);

@@ -41,8 +41,8 @@ std::tuple<Tensor, Tensor, Tensor> MoePermuteCpu(const Tensor& expert_indices, i
   CheckMoePermuteArgs(expert_indices, num_experts);
   const int64_t n = expert_indices.size(0) * expert_indices.size(1);
   const auto options = expert_indices.options().dtype(at::kLong);
-  Tensor order = at::empty({n}, options), inverse = at::empty({n}, options);
-  Tensor group_sizes = at::empty({num_experts}, options.dtype(at::kInt));
+  Tensor order = NewOutput({n}, options), inverse = NewOutput({n}, options);
+  Tensor group_sizes = NewOutput({num_experts}, options.dtype(at::kInt));
   MoePermuteParams params;
   params.expert_indices = {expert_indices.const_data_ptr(), expert_indices.scalar_type() == at::kLong,
                            expert_indices.size(0), expert_indices.size(1), expert_indices.stride(0),

@@ -117,7 +117,7 @@ RaggedDotSignature CheckRaggedDotArgs(const Tensor& lhs, const Tensor& rhs, cons
 }
 
 Tensor EmptyOutput(const Tensor& lhs, const RaggedDotSignature& sig) {
-  return at::empty_symint(sig.out_shape, lhs.options().dtype(sig.out_dtype));
+  return NewOutputSymint(sig.out_shape, lhs.options().dtype(sig.out_dtype));
 }
 
 std::vector<int64_t> GroupSizesToVector(const Tensor& group_sizes) {
@@ -152,7 +152,6 @@ Tensor RaggedDotCpu(const Tensor& lhs, const Tensor& rhs, const Tensor& group_si
   TORCH_CHECK(sizes_status.ok(), sizes_status.message());
 
   Tensor out = EmptyOutput(lhs, sig);
-  AdviseHugePages(out);
   RaggedDotParams params;
   params.form = sig.form;
   params.lhs = StridedViewOf<3>(lhs, "ragged_dot");

@@ -56,8 +56,7 @@ RaggedGatherReduceParams ParamsOf(bool by_index, const Tensor& x, const Tensor& 
 
 Tensor GatherCpu(bool by_index, const Tensor& x, const Tensor& indices, const Tensor& start, const Tensor& end) {
   CheckRaggedGatherArgs(OpName(by_index), x, indices, start, end);
-  Tensor out = at::empty({indices.size(0), x.size(1)}, x.options());
-  AdviseHugePages(out);
+  Tensor out = NewOutput({indices.size(0), x.size(1)}, x.options());
   RaggedGatherReduceParams params = ParamsOf(by_index, x, indices, start, end);
   params.out = MutableStridedViewOf<2>(out, params.op);
   const Status status = RaggedGatherReduce(params);
@@ -82,8 +81,7 @@ Tensor RaggedGatherBackwardCpu(const Tensor& dout, const Tensor& x, const Tensor
                   dout.scalar_type() == x.scalar_type(),
               op, " backward: dout must be ", x.scalar_type(), "[", indices.size(0), ", ", x.size(1), "], got ",
               dout.scalar_type(), ShapeString(dout));
-  Tensor dx = at::empty(x.sizes(), x.options());
-  AdviseHugePages(dx);
+  Tensor dx = NewOutput(x.sizes(), x.options());
   RaggedGatherReduceParams params = ParamsOf(by_index, x, indices, start, end);
   params.dout = StridedViewOf<2>(dout, op);
   params.dx = MutableStridedViewOf<2>(dx, op);

@@ -69,8 +69,7 @@ RaggedGatherReduceParams ParamsOf(const Tensor& x, const Tensor& indices, const 
 Tensor RaggedGatherReduceCpu(const Tensor& x, const Tensor& indices, const Tensor& topk_weights,
                              const Tensor& valid_rows_mask, int64_t reduce_group_size) {
   CheckRaggedGatherReduceArgs(x, indices, topk_weights, valid_rows_mask, reduce_group_size);
-  Tensor out = at::empty({indices.size(0) / reduce_group_size, x.size(1)}, x.options());
-  AdviseHugePages(out);
+  Tensor out = NewOutput({indices.size(0) / reduce_group_size, x.size(1)}, x.options());
   RaggedGatherReduceParams params = ParamsOf(x, indices, topk_weights, valid_rows_mask, reduce_group_size);
   params.out = MutableStridedViewOf<2>(out, kOp);
   const Status status = RaggedGatherReduce(params);
@@ -87,9 +86,8 @@ std::tuple<Tensor, Tensor> RaggedGatherReduceBackwardCpu(const Tensor& dout, con
                   dout.scalar_type() == x.scalar_type(),
               kOp, " backward: dout must be ", x.scalar_type(), "[", tokens, ", ", x.size(1), "], got ",
               dout.scalar_type(), ShapeString(dout));
-  Tensor dx = at::empty(x.sizes(), x.options());
-  AdviseHugePages(dx);
-  Tensor dw = at::empty({indices.size(0)}, topk_weights.options());
+  Tensor dx = NewOutput(x.sizes(), x.options());
+  Tensor dw = NewOutput({indices.size(0)}, topk_weights.options());
   RaggedGatherReduceParams params = ParamsOf(x, indices, topk_weights, valid_rows_mask, reduce_group_size);
   params.dout = StridedViewOf<2>(dout, kOp);
   params.dx = MutableStridedViewOf<2>(dx, kOp);

@@ -154,8 +154,8 @@ std::tuple<Tensor, Tensor> RaggedPagedAttentionCpu(
   const auto parsed = CheckRaggedPagedAttentionArgs(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
                                                     distribution, sliding_window, soft_cap, out_dtype, config);
   CheckBeforeWrite(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution);
-  Tensor out = at::empty(queries.sizes(), queries.options().dtype(out_dtype.value_or(queries.scalar_type())));
-  Tensor lse = at::empty({queries.size(0), queries.size(1)}, queries.options().dtype(at::kFloat));
+  Tensor out = NewOutput(queries.sizes(), queries.options().dtype(out_dtype.value_or(queries.scalar_type())));
+  Tensor lse = NewOutput({queries.size(0), queries.size(1)}, queries.options().dtype(at::kFloat));
   RaggedPagedAttentionParams p =
       ParamsOf(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution);
   p.causal = use_causal_mask;

@@ -28,8 +28,8 @@ void CheckRouterTopKArgs(const Tensor& scores, const c10::SymInt& k) {
 
 std::tuple<Tensor, Tensor> RouterTopKCpu(const Tensor& scores, int64_t k) {
   CheckRouterTopKArgs(scores, k);
-  Tensor weights = at::empty({scores.size(0), k}, scores.options().dtype(at::kFloat));
-  Tensor indices = at::empty({scores.size(0), k}, scores.options().dtype(at::kInt));
+  Tensor weights = NewOutput({scores.size(0), k}, scores.options().dtype(at::kFloat));
+  Tensor indices = NewOutput({scores.size(0), k}, scores.options().dtype(at::kInt));
   RouterTopKParams params;
   params.scores = StridedViewOf<2>(scores, kOp);
   params.k = k;

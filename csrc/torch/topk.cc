@@ -42,8 +42,8 @@ std::vector<c10::SymInt> ValuesShape(const Tensor& scores, const c10::SymInt& k,
 std::tuple<Tensor, Tensor> TopKCpu(const Tensor& scores, int64_t k, const std::optional<Tensor>& row_lengths,
                                    bool return_scores) {
   CheckTopKArgs(scores, k, row_lengths);
-  Tensor indices = at::empty({scores.size(0), k}, scores.options().dtype(at::kInt));
-  Tensor values = return_scores ? at::empty({scores.size(0), k}, scores.options()) : at::empty({0}, scores.options());
+  Tensor indices = NewOutput({scores.size(0), k}, scores.options().dtype(at::kInt));
+  Tensor values = return_scores ? NewOutput({scores.size(0), k}, scores.options()) : at::empty({0}, scores.options());
   TopKParams params;
   params.scores = StridedViewOf<2>(scores, kOp);
   params.k = k;

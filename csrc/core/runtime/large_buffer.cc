@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -14,6 +15,7 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -23,16 +25,46 @@ namespace tokamax {
 namespace {
 
 constexpr size_t kHugePage = size_t{2} << 20;
-constexpr size_t kDefaultCacheMib = 256;
+constexpr size_t kMinDefaultLimit = size_t{256} << 20;
+constexpr size_t kMaxDefaultLimit = size_t{4} << 30;
+
+// Bytes of memory the process may use: physical memory, or a cgroup's limit when lower (a
+// container on a large host). 0 when unknown.
+size_t UsableMemoryBytes() {
+#if defined(__linux__)
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGE_SIZE);
+  size_t usable = pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : 0;
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    if (FILE* f = std::fopen(path, "r")) {
+      unsigned long long limit = 0;
+      if (std::fscanf(f, "%llu", &limit) == 1 && limit > 0 && (usable == 0 || limit < usable)) {
+        usable = static_cast<size_t>(limit);  // "max" (no limit) does not parse
+      }
+      std::fclose(f);
+    }
+  }
+  return usable;
+#else
+  return 0;
+#endif
+}
+
+// The default: 1/8 of usable memory, at least 256 MiB and at most 4 GiB (docs/design.md,
+// "Pooled outputs": a training step's outputs and gradients come back to the cache, and the
+// largest measured, fused_moe's fp32 weight gradients at E=64, are 2.2 GB).
+size_t DefaultLimit() {
+  return std::clamp(UsableMemoryBytes() / 8, kMinDefaultLimit, kMaxDefaultLimit);
+}
 
 size_t LimitFromEnvironment() {
   const char* value = std::getenv("TOKAMAX_BUFFER_CACHE_MIB");
-  if (value == nullptr || *value == '\0') return kDefaultCacheMib << 20;
+  if (value == nullptr || *value == '\0') return DefaultLimit();
   char* end = nullptr;
   const long long mib = std::strtoll(value, &end, 10);
   // Anything but a non-negative integer keeps the default (a warning would need a logger the
   // core does not have; docs/design.md states the format).
-  if (*end != '\0' || mib < 0) return kDefaultCacheMib << 20;
+  if (*end != '\0' || mib < 0) return DefaultLimit();
   return static_cast<size_t>(mib) << 20;
 }
 
@@ -232,6 +264,8 @@ void LargeBufferBytes::Release() {
 }
 
 size_t LargeBufferCacheLimit() { return MappingCache::Get().limit(); }
+
+size_t DefaultLargeBufferCacheLimit() { return DefaultLimit(); }
 
 void SetLargeBufferCacheLimit(size_t bytes) { MappingCache::Get().SetLimit(bytes); }
 

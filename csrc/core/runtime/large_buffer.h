@@ -4,9 +4,11 @@
 // call of about the same size instead of being unmapped: glibc returns such blocks to the
 // kernel, so each call would fault its buffers in again, zeroed page by page. Measured on Zen 4
 // (2 vCPUs, KVM), causal fp32 attention forward+backward at T=S=2048, N=K=16: page faults were
-// ~10% of the samples. The cache holds at most LargeBufferCacheLimit() bytes (environment
-// variable TOKAMAX_BUFFER_CACHE_MIB, default 256; 0 turns it off) less what the scratch arenas
-// hold (scratch_arena.h): the one limit bounds all cached working memory.
+// ~10% of the samples. The torch adapters' large outputs are LargeBufferBytes too (pooled
+// outputs, docs/design.md), so a freed output's mapping serves the next call's. The cache holds at
+// most LargeBufferCacheLimit() bytes (environment variable TOKAMAX_BUFFER_CACHE_MIB; default 1/8
+// of physical or cgroup memory, clamped to [256 MiB, 4 GiB]; 0 turns it off) less what the scratch
+// arenas hold (scratch_arena.h): the one limit bounds all cached memory.
 #pragma once
 
 #include <cstddef>
@@ -43,6 +45,8 @@ class LargeBufferBytes {
 // evicts what no longer fits beside the scratch arenas (called when they grew).
 size_t LargeBufferCacheLimit();
 void SetLargeBufferCacheLimit(size_t bytes);
+// What LargeBufferCacheLimit() is when TOKAMAX_BUFFER_CACHE_MIB is unset.
+size_t DefaultLargeBufferCacheLimit();
 size_t LargeBufferCachedBytes();
 void ReleaseLargeBufferCache();
 void TrimLargeBufferCache();

@@ -34,6 +34,12 @@ TEST(LargeBufferTest, ZeroFilledAndWritableAtEverySize) {
   }
 }
 
+TEST(LargeBufferTest, DefaultLimitIsBounded) {
+  // 1/8 of usable memory, clamped: never below the old fixed 256 MiB nor above 4 GiB.
+  EXPECT_GE(DefaultLargeBufferCacheLimit(), size_t{256} << 20);
+  EXPECT_LE(DefaultLargeBufferCacheLimit(), size_t{4} << 30);
+}
+
 TEST(LargeBufferTest, MoveTransfersOwnership) {
   LargeBuffer<uint16_t> a(int64_t{20} << 20, LargeBuffer<uint16_t>::kZeroed);  // 40 MiB: mapped
   a[5] = 7;
