@@ -14,11 +14,32 @@
 #include "csrc/core/runtime/large_buffer.h"
 #include "csrc/core/runtime/parallel.h"
 #include "csrc/core/runtime/scratch_arena.h"
+#include "csrc/core/vec/tiers.h"
 #include "csrc/ops/moe_gather/element_access.h"
 #include "csrc/ops/topk/topk.h"
 
 namespace tokamax {
+
+TOKAMAX_DECLARE_IN_TIERS(MoeRowGradsFn MoeRowGrads(DType dtype, Activation activation);)
+
 namespace {
+
+// The tier's row pass of the backward; the avx512bf16 and amx tiers run avx512's.
+MoeRowGradsFn RowGradsOf(Isa isa, DType dtype, Activation activation) {
+  switch (isa) {
+#ifdef TOKAMAX_HAVE_AVX512
+    case Isa::kAvx512:
+    case Isa::kAvx512Bf16:
+    case Isa::kAmx: return tier_avx512::MoeRowGrads(dtype, activation);
+#endif
+#ifdef TOKAMAX_HAVE_AVX2
+    case Isa::kAvx2: return tier_avx2::MoeRowGrads(dtype, activation);
+#endif
+    default: break;
+  }
+  return tier_scalar::MoeRowGrads(dtype, activation);
+}
+
 
 using moe::Acc;
 using moe::Load;
@@ -412,6 +433,9 @@ Status FusedExpertsBackward(const FusedExpertsParams& p, const FusedExpertsConfi
   const GemmKernels* kernels = nullptr;
   Status status = Prepare(p, config, "fused_experts", &routing, &kernels);
   if (!status.ok()) return status;
+  Isa isa;
+  status = ActiveIsa(&isa);
+  if (!status.ok()) return status;
   const int64_t tokens = p.x.sizes[0], hidden = p.x.sizes[1], inter = p.w2.sizes[1], k = p.topk_ids.cols;
   const int64_t experts = p.w1.sizes[0], rows_total = routing.rows;
   const GemmBlocking blocking = BlockingOf(config);
@@ -444,6 +468,7 @@ Status FusedExpertsBackward(const FusedExpertsParams& p, const FusedExpertsConfi
     });
     LargeBuffer<T> wh(rows_total * inter, LargeBuffer<T>::kUninitialized);
     LargeBuffer<T> dpre(rows_total * 2 * inter, LargeBuffer<T>::kUninitialized);
+    const MoeRowGradsFn row_grads = RowGradsOf(isa, dtype, p.activation);
     ParallelFor(0, rows_total, 16, [&](int64_t s0, int64_t s1) {
       for (int64_t s = s0; s < s1; ++s) {
         const int64_t flat = routing.order[s], t = flat / k, j = flat % k, e = p.topk_ids.At(t, j);
@@ -457,6 +482,13 @@ Status FusedExpertsBackward(const FusedExpertsParams& p, const FusedExpertsConfi
         A hg = 0;
         const T* gate = pre + s * 2 * inter;
         T* dg = &dpre[s * 2 * inter];
+        if constexpr (std::is_same_v<A, float>) {
+          if (row_grads != nullptr) {
+            hg = row_grads(&grad[s * inter], gate, gate + inter, w, &wh[s * inter], dg, dg + inter, inter);
+            StoreAny(p.dtopk_weights.At(t, j), p.dtopk_weights.dtype, static_cast<double>(dw + hg));
+            continue;
+          }
+        }
         for (int64_t i = 0; i < inter; ++i) {
           const A g = Load(gate + i), u = Load(gate + inter + i), d = grad[s * inter + i];
           const A act = Activate(p.activation, g);

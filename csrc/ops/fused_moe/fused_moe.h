@@ -81,6 +81,13 @@ struct FusedExpertsParams {
   void* residuals = nullptr;
 };
 
+// The backward's per-row elementwise pass (fused_moe_kernels_tiered.cc), for one sorted row of n
+// elements with routing weight w: d = dout·w2ᵀ (fp32); gate, up, wh, dgate, dup in x's dtype;
+// wh = w act(gate) up, dgate = w d up act'(gate), dup = w d act(gate); returns sum d act(gate) up.
+// One per tier, dtype and activation (null for float64).
+using MoeRowGradsFn = float (*)(const float* d, const void* gate, const void* up, float w, void* wh, void* dgate,
+                                void* dup, int64_t n);
+
 Status FusedExperts(const FusedExpertsParams& params, const FusedExpertsConfig& config);
 Status FusedExpertsBackward(const FusedExpertsParams& params, const FusedExpertsConfig& config);
 

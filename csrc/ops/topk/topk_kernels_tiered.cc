@@ -2,7 +2,10 @@
 // The row selection of topk.h, per tier: a vector threshold scan (GreaterMask against the k-th
 // value so far) finds the few lanes that can enter the selection; only those go through the
 // scalar insertion. On random rows about k·(1 + ln(n/k)) elements enter, so the scan dominates.
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "csrc/core/vec/vec.h"
 #include "csrc/ops/topk/topk.h"
@@ -21,10 +24,11 @@ struct Selection {
   int64_t k;
   float floor;
   int64_t count = 0;
+  float seed = floor;  // >= floor; below the k-th largest value of the row (see SeedThreshold)
 
   // What an element must exceed to enter: strict, so an equal later column never displaces an
   // earlier one (ties go to the lower column).
-  float Threshold() const { return count < k ? floor : vals[k - 1]; }
+  float Threshold() const { return count < k ? seed : vals[k - 1]; }
 
   void Offer(float v, int64_t col) {
     if (!(v > Threshold())) return;  // NaN never enters
@@ -54,6 +58,28 @@ struct Selection {
   }
 };
 
+// A strict lower bound t (>= floor) of the row's k-th largest value, from one pass of lane-wise
+// maxima over the full vectors: the kLanes maxima are distinct elements, so if s is the k-th
+// largest of them, k elements are >= s and nothing below s can be selected; t is the float just
+// below s, so elements equal to s still enter (ties) and the result is the unseeded one. Without
+// it a random row inserts about k·(1 + ln(n/k)) elements, a third of the row at n=64, k=8.
+template <typename T>
+float SeedThreshold(const T* row, int64_t n, int64_t k, float floor) {
+  if (kLanes == 1 || k > kLanes || n < 2 * kLanes) return floor;
+  Vec acc = Set1(-std::numeric_limits<float>::infinity());
+  for (int64_t c = 0; c + kLanes <= n; c += kLanes) acc = Max(LoadWiden(row + c), acc);
+  float m[kLanes];
+  Store(m, acc);
+  for (float& x : m) x = x == x ? x : -std::numeric_limits<float>::infinity();  // a NaN lane bounds nothing
+  const Vec all = Load(m);
+  float s = std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < kLanes; ++l) {
+    // m[l] is among the k largest maxima (ties kept) when fewer than k exceed it.
+    if (__builtin_popcount(GreaterMask(all, Set1(m[l]))) < k) s = std::min(s, m[l]);
+  }
+  return s > floor ? std::nextafter(s, -std::numeric_limits<float>::infinity()) : floor;
+}
+
 template <typename T>
 int64_t SelectRow(const void* data, int64_t stride, int64_t n, int64_t k, float floor, float* vals, int32_t* idx) {
   const T* row = static_cast<const T*>(data);
@@ -62,6 +88,7 @@ int64_t SelectRow(const void* data, int64_t stride, int64_t n, int64_t k, float 
     for (int64_t c = 0; c < n; ++c) selection.Offer(LoadAsFloat(row + c * stride), c);
     return selection.count;
   }
+  selection.seed = SeedThreshold(row, n, k, floor);
   int64_t c = 0;
   for (; c + kLanes <= n; c += kLanes) {
     uint32_t mask = GreaterMask(LoadWiden(row + c), Set1(selection.Threshold()));
