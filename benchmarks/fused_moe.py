@@ -102,6 +102,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run, not the issue's)")
     parser.add_argument("--shapes", default="a,b")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated implementations to leave out, e.g. 'HF eager' (tens of seconds a step)")
     args = parser.parse_args()
     shapes = QUICK if args.quick else SHAPES
 
@@ -126,6 +128,8 @@ def main() -> None:
             fwd_flops = 2 * s["t"] * s["k"] * s["h"] * 3 * s["i"]
             for backward in (False, True):
                 impls = implementations(s)
+                for name in filter(None, args.skip.split(",")):
+                    impls.pop(name.strip(), None)
                 if backward:
                     impls.pop("tokamax unfused ops")
                 leaves = [t.detach().requires_grad_(backward) for t in (x, gate_up, down, gating)]
