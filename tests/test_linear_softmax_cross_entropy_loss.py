@@ -214,6 +214,108 @@ def test_forward_backward_never_holds_the_logits():
     assert growth < 40, f"resident set grew {growth:.0f} MiB; the logits alone are {b * v * 4 / 2**20:.0f} MiB"
 
 
+# ---- the forward with the gradient folded in (sum / mean, a gradient needed) ----------------------
+
+FOLD_OPTIONS = [
+    {},
+    {"reduction": "mean"},
+    {"label_smoothing": 0.1, "reduction": "mean"},
+    {"z_loss_weight": 1e-2},
+    {"logits_soft_cap": 2.0},
+    {"label_smoothing": 0.2, "z_loss_weight": 1e-3, "logits_soft_cap": 5.0, "ignore_index": 7, "reduction": "mean"},
+]
+
+
+def _op_names(fn) -> set:
+    with torch.autograd.profiler.profile() as prof:
+        fn()
+    return {e.name for e in prof.function_events}
+
+
+def _folded_forward_backward(x, labels, w, upstream, **options):
+    xg = x.clone().requires_grad_(True)
+    wg = (w.t().detach().clone().t() if w.stride(0) == 1 else w.detach().clone()).requires_grad_(True)
+    loss = lce.kernel(xg, labels, wg, **options)
+    (loss * upstream).backward()
+    return loss, xg.grad, wg.grad
+
+
+@pytest.mark.parametrize("options", FOLD_OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+@pytest.mark.parametrize("dtype", TOLERANCE)
+def test_folded_gradients_match_float64_oracle(dtype, options):
+    """A scalar loss with a gradient needed runs the `_train` forward (3 products) and a backward
+    that only scales its gradients by the upstream gradient (here -1.7, not 1)."""
+    x, labels, w = _problem(37, 50, 301, dtype, linear_layout=True, ignore_index=options.get("ignore_index", -100))
+    upstream = -1.7
+    names = _op_names(lambda: _folded_forward_backward(x, labels, w, upstream, **options))
+    assert "tokamax::_linear_softmax_cross_entropy_loss_train" in names
+    assert "tokamax::_linear_softmax_cross_entropy_loss_backward" not in names
+    loss, dx, dw = _folded_forward_backward(x, labels, w, upstream, **options)
+    xo, wo = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    want_loss, _ = oracle(xo, labels, wo, **options)
+    (want_loss * upstream).backward()
+    _close(loss, want_loss, TOLERANCE[dtype], "loss")
+    assert dx.dtype == dtype and dw.dtype == dtype and dw.stride() == w.stride()
+    _close(dx, xo.grad, GRAD_TOLERANCE[dtype], "dx")
+    _close(dw, wo.grad, GRAD_TOLERANCE[dtype], "dweights")
+
+
+@pytest.mark.parametrize("linear_layout", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_folded_forward_is_bitwise_the_plain_forward_and_thread_count_free(dtype, linear_layout):
+    """Several row blocks, vocab tiles and H chunks: loss and lse bitwise the no-grad forward's;
+    dx and dweights bitwise the same at 1, 2 and 3 threads and against the unfolded backward
+    within the gradient tolerance (upstream 1: the scale is the identity)."""
+    x, labels, w = _problem(150, 600, 1100, dtype, linear_layout=linear_layout, ignore=(0, 77))
+    config = lce.Config(row_block=32, vocab_block=256, block_k=64)
+    options = dict(label_smoothing=0.1, reduction="mean", configs=(config, config))
+    with torch.no_grad():
+        plain_loss, plain_lse = lce.kernel(x, labels, w, return_residuals=True, **options)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            xg, wg = x.clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+            loss, lse = lce.kernel(xg, labels, wg, return_residuals=True, **options)
+            loss.backward()
+            results.append((loss, lse, xg.grad, wg.grad))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0][0], plain_loss) and torch.equal(results[0][1], plain_lse)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+    # The unfolded backward (an lse cotangent of zeros forces it) agrees.
+    xg, wg = x.clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    loss, lse = lce.kernel(xg, labels, wg, return_residuals=True, **options)
+    (loss + 0 * lse.sum()).backward()
+    _close(xg.grad, results[0][2], GRAD_TOLERANCE[dtype], "dx")
+    _close(wg.grad, results[0][3], GRAD_TOLERANCE[dtype], "dweights")
+
+
+def test_inference_and_none_do_not_fold():
+    x, labels, w = _problem(20, 16, 60, torch.float32)
+    xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    with torch.no_grad():
+        assert "tokamax::_linear_softmax_cross_entropy_loss_train" not in _op_names(lambda: lce.kernel(xg, labels, wg))
+    names = _op_names(lambda: lce.kernel(xg, labels, wg, reduction="none").sum().backward())
+    assert "tokamax::_linear_softmax_cross_entropy_loss_train" not in names
+    assert "tokamax::_linear_softmax_cross_entropy_loss_backward" in names
+
+
+def test_fold_with_one_input_needing_grad():
+    x, labels, w = _problem(20, 16, 60, torch.float32)
+    want_x, want_w = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    (oracle(want_x, labels, want_w)[0] * 0.5).backward()
+    xg = x.clone().requires_grad_(True)
+    (lce.kernel(xg, labels, w) * 0.5).backward()
+    _close(xg.grad, want_x.grad, GRAD_TOLERANCE[torch.float32], "dx")
+    wg = w.clone().requires_grad_(True)
+    (lce.kernel(x, labels, wg) * 0.5).backward()
+    _close(wg.grad, want_w.grad, GRAD_TOLERANCE[torch.float32], "dweights")
+
+
 # ---- the shared contract --------------------------------------------------------------------------
 
 def _sample(batch, hidden, vocab, dtype=torch.float32, linear_layout=False, **kwargs):

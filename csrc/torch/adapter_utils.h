@@ -87,8 +87,18 @@ inline at::Tensor NewZeroedOutput(at::IntArrayRef sizes, const at::TensorOptions
   return NewZeroedOutputSymint(c10::fromIntArrayRefSlow(sizes), options);
 }
 // at::empty_like(t): t's strides when t is dense and non-overlapping (a transposed view gets a
-// transposed output), else contiguous.
-at::Tensor NewOutputLike(const at::Tensor& t);
+// transposed output), else contiguous; in `dtype` when given.
+at::Tensor NewOutputLike(const at::Tensor& t, std::optional<at::ScalarType> dtype = std::nullopt);
+
+// A dense CPU tensor outside any tracing (no fake, functional or Python-subclass wrapper): the
+// only case where a backward may write over a saved tensor. Traced graphs (torch.compile) keep
+// the functional op, whose memory the compiler plans.
+inline bool IsPlainCpu(const at::Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided &&
+         !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,
+                                                   c10::DispatchKey::PythonTLSSnapshot})) &&
+         !t.unsafeGetTensorImpl()->is_python_dispatch();
+}
 
 // The Autograd kernel of an op without a gradient (upstream defines none), boxed so one function
 // serves every such op: it runs the op below autograd, so its outputs never require grad, the

@@ -249,16 +249,6 @@ using BackwardSignature = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor
                                                      const std::optional<Tensor>&, const Tensor&, c10::string_view,
                                                      bool, bool, at::OptionalIntArrayRef);
 
-// A dense CPU tensor outside any tracing (no fake, functional or Python-subclass wrapper): the
-// only case where the backward may write over a saved tensor. Traced graphs (torch.compile)
-// keep the functional op, whose memory the compiler plans.
-bool IsPlainCpu(const Tensor& t) {
-  return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided &&
-         !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,
-                                                   c10::DispatchKey::PythonTLSSnapshot})) &&
-         !t.unsafeGetTensorImpl()->is_python_dispatch();
-}
-
 const c10::TypedOperatorHandle<ForwardSignature>& ForwardOp() {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("tokamax::gated_linear_unit", "").typed<ForwardSignature>();

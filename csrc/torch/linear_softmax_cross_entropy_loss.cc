@@ -95,27 +95,79 @@ LinearCrossEntropyParams ParamsOf(const Tensor& x, const Tensor& labels, const T
 }
 
 using ForwardResult = std::tuple<Tensor, Tensor>;
+// loss, lse and the folded gradients dx and dweights (for dloss = 1, in the accumulation type).
+using TrainResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 
-ForwardResult LceCpu(const Tensor& x, const Tensor& labels, const Tensor& weights, c10::string_view reduction,
-                     int64_t ignore_index, std::optional<double> label_smoothing, std::optional<double> z_loss_weight,
-                     std::optional<double> logits_soft_cap, at::OptionalIntArrayRef config,
-                     at::OptionalIntArrayRef bwd_config) {
+// The folded gradients' buffers: dx [B, H] and dweights with weights' layout (an nn.Linear
+// weight's transposed view gets a transposed one), in the accumulation type; [0] where not wanted.
+std::tuple<Tensor, Tensor> FoldedGradients(const Tensor& x, const Tensor& weights, bool x_grad, bool weights_grad) {
+  const auto options = x.options().dtype(AccType(x));
+  const Tensor none = at::empty({0}, options);
+  return {x_grad ? NewOutputSymint(x.sym_sizes(), options) : none,
+          weights_grad ? NewOutputLike(weights, options.dtype().toScalarType()) : none};
+}
+
+void CheckFoldable(c10::string_view reduction) {
+  TORCH_CHECK(ParseReduction(reduction) != LossReduction::kNone, kOp,
+              ": the forward with folded gradients needs reduction 'sum' or 'mean', got 'none'");
+}
+
+TrainResult LceForwardImpl(const Tensor& x, const Tensor& labels, const Tensor& weights, c10::string_view reduction,
+                           int64_t ignore_index, std::optional<double> label_smoothing,
+                           std::optional<double> z_loss_weight, std::optional<double> logits_soft_cap,
+                           at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config, bool x_grad,
+                           bool weights_grad) {
   const LceConfigs configs = CheckLceArgs(x, labels, weights, reduction, label_smoothing, z_loss_weight,
                                           logits_soft_cap, config, bwd_config);
+  if (x_grad || weights_grad) CheckFoldable(reduction);
   const auto options = x.options().dtype(AccType(x));
   Tensor loss = ParseReduction(reduction) == LossReduction::kNone ? NewOutput({x.size(0)}, options)
                                                                   : NewOutput({}, options);
   Tensor lse = NewOutput({x.size(0)}, options);
+  auto [dx, dweights] = FoldedGradients(x, weights, x_grad, weights_grad);
   Tensor labels64;
   LinearCrossEntropyParams params = ParamsOf(x, labels, weights, reduction, ignore_index, label_smoothing,
                                              z_loss_weight, logits_soft_cap, &labels64);
   params.loss = loss.data_ptr();
   params.lse = lse.data_ptr();
+  if (x_grad) {
+    params.dx = MutableStridedViewOf<2>(dx, kOp);
+  }
+  if (weights_grad) {
+    params.dw = MutableStridedViewOf<2>(dweights, kOp);
+  }
   const LinearCrossEntropyConfig resolved = ConfigOrHeuristic<&LinearCrossEntropyHeuristicConfig>(
       configs.forward, ShapeOf(x, weights), params.x.dtype, LinearCrossEntropyProduct::kForward);
-  const Status status = LinearCrossEntropy(params, resolved);
+  // The fold's gradient products are the backward's work: they run under its config.
+  std::optional<LinearCrossEntropyConfig> gradient;
+  if (x_grad || weights_grad) {
+    gradient = ConfigOrHeuristic<&LinearCrossEntropyHeuristicConfig>(configs.backward, ShapeOf(x, weights),
+                                                                      params.x.dtype,
+                                                                      LinearCrossEntropyProduct::kBackward);
+  }
+  const Status status = LinearCrossEntropy(params, resolved, gradient ? &*gradient : nullptr);
   TORCH_CHECK(status.ok(), status.message());
+  return {loss, lse, dx, dweights};
+}
+
+ForwardResult LceCpu(const Tensor& x, const Tensor& labels, const Tensor& weights, c10::string_view reduction,
+                     int64_t ignore_index, std::optional<double> label_smoothing, std::optional<double> z_loss_weight,
+                     std::optional<double> logits_soft_cap, at::OptionalIntArrayRef config,
+                     at::OptionalIntArrayRef bwd_config) {
+  auto [loss, lse, dx, dweights] = LceForwardImpl(x, labels, weights, reduction, ignore_index, label_smoothing,
+                                                  z_loss_weight, logits_soft_cap, config, bwd_config, false, false);
   return {loss, lse};
+}
+
+// The forward with the gradient folded in (the autograd forward's choice for sum/mean when a
+// gradient will be needed): three products instead of the forward's one and the backward's three.
+TrainResult LceTrainCpu(const Tensor& x, const Tensor& labels, const Tensor& weights, c10::string_view reduction,
+                        int64_t ignore_index, std::optional<double> label_smoothing,
+                        std::optional<double> z_loss_weight, std::optional<double> logits_soft_cap, bool x_grad,
+                        bool weights_grad, at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
+  CheckFoldable(reduction);
+  return LceForwardImpl(x, labels, weights, reduction, ignore_index, label_smoothing, z_loss_weight, logits_soft_cap,
+                        config, bwd_config, x_grad, weights_grad);
 }
 
 ForwardResult LceMeta(const Tensor& x, const Tensor& labels, const Tensor& weights, c10::string_view reduction,
@@ -127,6 +179,47 @@ ForwardResult LceMeta(const Tensor& x, const Tensor& labels, const Tensor& weigh
   const auto options = x.options().dtype(AccType(x));
   return {at::empty_symint(LossSizes(x, reduction), options), at::empty_symint({x.sym_size(0)}, options)};
 }
+
+TrainResult LceTrainMeta(const Tensor& x, const Tensor& labels, const Tensor& weights, c10::string_view reduction,
+                         int64_t ignore_index, std::optional<double> label_smoothing,
+                         std::optional<double> z_loss_weight, std::optional<double> logits_soft_cap, bool x_grad,
+                         bool weights_grad, at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
+  CheckFoldable(reduction);
+  auto [loss, lse] = LceMeta(x, labels, weights, reduction, ignore_index, label_smoothing, z_loss_weight,
+                             logits_soft_cap, config, bwd_config);
+  auto [dx, dweights] = FoldedGradients(x, weights, x_grad, weights_grad);
+  return {loss, lse, dx, dweights};
+}
+
+// The folded gradients times the loss's upstream gradient: out = dloss · folded in `dtype`, with
+// folded's layout. Multiplying by the fp32 scalar adds one rounding (0.5 ulp of fp32) to each
+// fp32 gradient, and none for dloss = 1.
+void ScaleInto(const Tensor& dloss, const Tensor& folded, const Tensor& out) {
+  TORCH_CHECK(dloss.numel() == 1, kOp, " backward: dloss must be a scalar for the folded gradients, got shape ",
+              ShapeString(dloss));
+  TORCH_CHECK(folded.scalar_type() == at::kFloat || folded.scalar_type() == at::kDouble, kOp,
+              " backward: folded gradients must be float32 or float64, got ", folded.scalar_type());
+  TORCH_CHECK(folded.is_non_overlapping_and_dense() && out.strides() == folded.strides(), kOp,
+              " backward: folded gradients must be dense, got strides ", folded.strides());
+  const double g = dloss.to(at::kDouble).item<double>();
+  LinearCrossEntropyScale(folded.const_data_ptr(), ToCoreDType(folded.scalar_type(), kOp), g, out.data_ptr(),
+                          ToCoreDType(out.scalar_type(), kOp), folded.numel());
+}
+
+Tensor LceScaleCpu(const Tensor& dloss, const Tensor& folded, at::ScalarType dtype) {
+  Tensor out = NewOutputLike(folded, dtype);
+  ScaleInto(dloss, folded, out);
+  return out;
+}
+
+void LceScaleInPlaceCpu(const Tensor& dloss, const Tensor& folded) { ScaleInto(dloss, folded, folded); }
+
+Tensor LceScaleMeta(const Tensor& dloss, const Tensor& folded, at::ScalarType dtype) {
+  (void)dloss;
+  return at::empty_like(folded, folded.options().dtype(dtype));
+}
+
+void LceScaleInPlaceMeta(const Tensor& dloss, const Tensor& folded) { (void)dloss, (void)folded; }
 
 // Plain ATen ops in fp32 (float64 for float64), materialising the [B, V] logits: autograd and
 // shapes by decomposition.
@@ -237,22 +330,45 @@ using BackwardSignature = BackwardResult(const std::optional<Tensor>&, const std
 std::optional<Tensor> Optional(const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; }
 c10::IValue OptionalDouble(std::optional<double> v) { return v ? c10::IValue(*v) : c10::IValue(); }
 
-// Saved for the backward: x, labels, weights and lse ([B] fp32): no logits.
+using TrainSignature = TrainResult(const Tensor&, const Tensor&, const Tensor&, c10::string_view, int64_t,
+                                   std::optional<double>, std::optional<double>, std::optional<double>, bool, bool,
+                                   at::OptionalIntArrayRef, at::OptionalIntArrayRef);
+using ScaleSignature = Tensor(const Tensor&, const Tensor&, at::ScalarType);
+using ScaleInPlaceSignature = void(const Tensor&, const Tensor&);
+
+// Saved for the backward: x, labels, weights and lse ([B] fp32): no logits. With `fold` (sum or
+// mean, a gradient needed) the forward is the `_train` op and also saves the gradients for
+// dloss = 1 (dx [B, H] and dweights [H, V] in fp32, float64 for float64): the backward then only
+// scales them by dloss, in place when nothing else can see them (eager, graph not kept, fp32).
+// A cotangent for lse (return_residuals) cannot be folded: that backward runs the unfolded
+// backward op, and the forward's gradient work is lost.
 class LceFunction : public torch::autograd::Function<LceFunction> {
  public:
   static tensor_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& labels, const Tensor& weights,
                              c10::string_view reduction, int64_t ignore_index, std::optional<double> label_smoothing,
                              std::optional<double> z_loss_weight, std::optional<double> logits_soft_cap,
-                             at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
+                             at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config, bool fold) {
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("tokamax::linear_softmax_cross_entropy_loss", "")
                                .typed<ForwardSignature>();
-    Tensor loss, lse;
+    static const auto train = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("tokamax::_linear_softmax_cross_entropy_loss_train", "")
+                                  .typed<TrainSignature>();
+    Tensor loss, lse, dx, dweights;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(loss, lse) = op.call(x, labels, weights, reduction, ignore_index, label_smoothing, z_loss_weight,
-                                    logits_soft_cap, config, bwd_config);
+      if (fold) {
+        std::tie(loss, lse, dx, dweights) =
+            train.call(x, labels, weights, reduction, ignore_index, label_smoothing, z_loss_weight, logits_soft_cap,
+                       x.requires_grad(), weights.requires_grad(), config, bwd_config);
+      } else {
+        std::tie(loss, lse) = op.call(x, labels, weights, reduction, ignore_index, label_smoothing, z_loss_weight,
+                                      logits_soft_cap, config, bwd_config);
+      }
     }
+    ctx->saved_data["fold"] = fold;
+    ctx->saved_data["x_folded"] = fold && x.requires_grad();
+    ctx->saved_data["weights_folded"] = fold && weights.requires_grad();
     ctx->set_materialize_grads(false);  // an unused loss or lse has no cotangent
     ctx->saved_data["reduction"] = std::string(reduction);
     ctx->saved_data["ignore_index"] = ignore_index;
@@ -260,18 +376,44 @@ class LceFunction : public torch::autograd::Function<LceFunction> {
     ctx->saved_data["z_loss_weight"] = OptionalDouble(z_loss_weight);
     ctx->saved_data["logits_soft_cap"] = OptionalDouble(logits_soft_cap);
     ctx->saved_data["bwd_config"] = bwd_config.has_value() ? bwd_config->vec() : std::vector<int64_t>{};
-    ctx->save_for_backward({x, labels, weights, lse});
+    ctx->save_for_backward({x, labels, weights, lse, dx, dweights});
     return {loss, lse};
+  }
+
+  // dloss · the folded gradient, in `dtype`: written over it where nothing else can see it.
+  static Tensor Scale(const Tensor& dloss, Tensor& folded, at::ScalarType dtype) {
+    static const auto scale = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("tokamax::_linear_softmax_cross_entropy_loss_scale", "")
+                                  .typed<ScaleSignature>();
+    static const auto scale_ = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("tokamax::_linear_softmax_cross_entropy_loss_scale_", "")
+                                   .typed<ScaleInPlaceSignature>();
+    if (folded.scalar_type() == dtype && !torch::autograd::get_current_graph_task_keep_graph() &&
+        IsPlainCpu(folded) && IsPlainCpu(dloss) && folded.storage().use_count() == 1) {
+      scale_.call(dloss, folded);
+      return folded;
+    }
+    return scale.call(dloss, folded, dtype);
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("tokamax::_linear_softmax_cross_entropy_loss_backward", "")
                                .typed<BackwardSignature>();
-    const auto saved = ctx->get_saved_variables();
+    auto saved = ctx->get_saved_variables();
     const bool x_grad = ctx->needs_input_grad(0), weights_grad = ctx->needs_input_grad(2);
-    tensor_list result(10);  // one per forward argument
+    tensor_list result(11);  // one per forward argument
     if ((!grads[0].defined() && !grads[1].defined()) || (!x_grad && !weights_grad)) return result;
+    if (ctx->saved_data["fold"].toBool() && grads[0].defined() && !grads[1].defined() &&
+        (!x_grad || ctx->saved_data["x_folded"].toBool()) &&
+        (!weights_grad || ctx->saved_data["weights_folded"].toBool())) {
+      Tensor dx = saved[4], dweights = saved[5];
+      const at::ScalarType x_dtype = saved[0].scalar_type(), weights_dtype = saved[2].scalar_type();
+      saved.clear();  // the folded gradients' only other holder is the graph
+      if (x_grad) result[0] = Scale(grads[0], dx, x_dtype);
+      if (weights_grad) result[2] = Scale(grads[0], dweights, weights_dtype);
+      return result;
+    }
     const std::vector<int64_t> config = ctx->saved_data["bwd_config"].toIntVector();  // empty: heuristic
     const std::string reduction = ctx->saved_data["reduction"].toStringRef();
     auto [dx, dweights] = op.call(Optional(grads[0]), Optional(grads[1]), saved[0], saved[1], saved[2], saved[3],
@@ -290,8 +432,12 @@ ForwardResult LceAutograd(const Tensor& x, const Tensor& labels, const Tensor& w
                           int64_t ignore_index, std::optional<double> label_smoothing,
                           std::optional<double> z_loss_weight, std::optional<double> logits_soft_cap,
                           at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
+  // Fold the gradient into the forward when one will be needed and the loss is a scalar (a
+  // per-row upstream gradient of 'none' is unknown until the backward).
+  const bool fold = at::GradMode::is_enabled() && (x.requires_grad() || weights.requires_grad()) &&
+                    ParseReduction(reduction) != LossReduction::kNone;
   const tensor_list out = LceFunction::apply(x, labels, weights, reduction, ignore_index, label_smoothing,
-                                             z_loss_weight, logits_soft_cap, config, bwd_config);
+                                             z_loss_weight, logits_soft_cap, config, bwd_config, fold);
   return {out[0], out[1]};
 }
 
@@ -315,6 +461,13 @@ TORCH_LIBRARY_FRAGMENT(tokamax, m) {
   m.def("_linear_softmax_cross_entropy_loss_backward(Tensor? dloss, Tensor? dlse, Tensor x, Tensor labels, "
         "Tensor weights, Tensor lse, str reduction, int ignore_index, float? label_smoothing, float? z_loss_weight, "
         "float? logits_soft_cap, bool x_grad, bool weights_grad, int[]? config=None) -> (Tensor dx, Tensor dweights)");
+  m.def("_linear_softmax_cross_entropy_loss_train(Tensor x, Tensor labels, Tensor weights, str reduction, "
+        "int ignore_index, float? label_smoothing, float? z_loss_weight, float? logits_soft_cap, bool x_grad, "
+        "bool weights_grad, int[]? config=None, int[]? bwd_config=None) -> (Tensor loss, Tensor lse, Tensor dx, "
+        "Tensor dweights)");
+  m.def("_linear_softmax_cross_entropy_loss_scale(Tensor dloss, Tensor folded, ScalarType dtype) -> Tensor");
+  // The same written over `folded` (the autograd backward's choice when nothing else can see it).
+  m.def("_linear_softmax_cross_entropy_loss_scale_(Tensor dloss, Tensor(a!) folded) -> ()");
   tokamax::DefineConfigOps<&tokamax::LceConfigProblem, &tokamax::LinearCrossEntropyHeuristicConfig,
                            &tokamax::LinearCrossEntropyConfigSpace>(m, "Tensor x, Tensor labels, Tensor weights");
 }
@@ -322,11 +475,17 @@ TORCH_LIBRARY_FRAGMENT(tokamax, m) {
 TORCH_LIBRARY_IMPL(tokamax, CPU, m) {
   m.impl("linear_softmax_cross_entropy_loss", &tokamax::LceCpu);
   m.impl("_linear_softmax_cross_entropy_loss_backward", &tokamax::LceBackwardCpu);
+  m.impl("_linear_softmax_cross_entropy_loss_train", &tokamax::LceTrainCpu);
+  m.impl("_linear_softmax_cross_entropy_loss_scale", &tokamax::LceScaleCpu);
+  m.impl("_linear_softmax_cross_entropy_loss_scale_", &tokamax::LceScaleInPlaceCpu);
 }
 
 TORCH_LIBRARY_IMPL(tokamax, Meta, m) {
   m.impl("linear_softmax_cross_entropy_loss", &tokamax::LceMeta);
   m.impl("_linear_softmax_cross_entropy_loss_backward", &tokamax::LceBackwardMeta);
+  m.impl("_linear_softmax_cross_entropy_loss_train", &tokamax::LceTrainMeta);
+  m.impl("_linear_softmax_cross_entropy_loss_scale", &tokamax::LceScaleMeta);
+  m.impl("_linear_softmax_cross_entropy_loss_scale_", &tokamax::LceScaleInPlaceMeta);
 }
 
 TORCH_LIBRARY_IMPL(tokamax, CompositeImplicitAutograd, m) {

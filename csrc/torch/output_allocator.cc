@@ -106,11 +106,12 @@ at::Tensor NewZeroedOutputSymint(c10::SymIntArrayRef sizes, const at::TensorOpti
   return MakeOutput(sizes, std::nullopt, options, true);
 }
 
-at::Tensor NewOutputLike(const at::Tensor& t) {
+at::Tensor NewOutputLike(const at::Tensor& t, std::optional<at::ScalarType> dtype) {
   // empty_like's layout for a dense tensor (a transposed weight view gets a transposed gradient),
   // else contiguous.
-  if (t.is_non_overlapping_and_dense()) return MakeOutput(t.sym_sizes(), t.sym_strides(), t.options(), false);
-  return MakeOutput(t.sym_sizes(), std::nullopt, t.options(), false);
+  const at::TensorOptions options = dtype.has_value() ? t.options().dtype(*dtype) : t.options();
+  if (t.is_non_overlapping_and_dense()) return MakeOutput(t.sym_sizes(), t.sym_strides(), options, false);
+  return MakeOutput(t.sym_sizes(), std::nullopt, options, false);
 }
 
 }  // namespace tokamax

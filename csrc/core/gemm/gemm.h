@@ -91,6 +91,11 @@ struct GemmEpilogue {
   float* row_max = nullptr;          // [A.rows] with row_sum (both or neither); null: no reductions
   float* row_sum = nullptr;
   const GemmGate* gate = nullptr;    // non-null: the gated product (GemmGate); bias is the gate's
+  // true: the products add to C instead of replacing it (C += A·B; not with gate): each result
+  // starts as r[i][j] = C[row(i)][j] + (A·B)[i][j], C read in fp32 (double on the float64 path)
+  // before the steps above. With the other steps at their defaults C becomes C + P rounded once
+  // into C's dtype, P the fp32 product GemmRegion writes without it (bitwise).
+  bool accumulate = false;
 };
 
 // How GemmRegion reads A: result row i is row a_row_map[i] of the `a` it is given (a gather),

@@ -15,6 +15,16 @@
 // [vocab_block, B] strip, and add dlogits · W_tileᵀ into dx in tile order; (B) tasks of H rows
 // write dW[:, tile] = xᵀ · dlogits (the whole batch as the GEMM's depth). Every dx and dW element
 // is accumulated in an order fixed by the config and the tier: bitwise the same at any thread count.
+//
+// Forward with the gradient folded in (sum/mean, params.dx or params.dw set): three products
+// instead of the forward's one and the backward's three. Row blocks of FoldRows() rows, one after
+// the other; per block, in parallel over vocab tiles or H chunks: the block's logits over the
+// whole vocabulary ([V, rows] fp32, transposed as above; at most kFoldBlockBytes), the lse (the
+// same column loops in the same tile order as the plain forward: loss and lse bitwise the plain
+// forward's), dlogits in place for an upstream gradient of 1, dx[block] = dlogits·Wᵀ (all of V
+// deep) and dW += xᵀ[block]·dlogits (the GEMM's accumulate mode; block order). The caller scales
+// dx and dW by the loss's actual upstream gradient (LinearCrossEntropyScale), which is linear in
+// every option.
 #pragma once
 
 #include <cstdint>
@@ -68,6 +78,8 @@ struct LinearCrossEntropyParams {
   void* lse = nullptr;  // the forward writes it; the backward reads it
   // Backward: dloss (1 value or B, as loss) and dlse [B] in (either null: zero); dx [B, H] in
   // x's dtype and dw [H, V] in w's dtype (any strides; either null: not computed) out.
+  // Forward (sum/mean): dx and dw, either or both set, in the accumulation type (any strides):
+  // the gradients for dloss = 1 are written into them too (the fold, see above).
   const void* dloss = nullptr;
   const void* dlse = nullptr;
   MutableStridedView<2> dx;
@@ -75,8 +87,21 @@ struct LinearCrossEntropyParams {
 };
 
 // Checks every label (ignore_index or in [0, V)) before any compute.
-Status LinearCrossEntropy(const LinearCrossEntropyParams& params, const LinearCrossEntropyConfig& config);
+// With params.dx or params.dw (the fold), `gradient_config` (the backward's; null: `config`) tiles
+// the gradient products: its vocab_block the dlogits and dW tasks, its block_k the dx and dW sums.
+// The row blocks and the logits follow `config`.
+Status LinearCrossEntropy(const LinearCrossEntropyParams& params, const LinearCrossEntropyConfig& config,
+                          const LinearCrossEntropyConfig* gradient_config = nullptr);
 Status LinearCrossEntropyBackward(const LinearCrossEntropyParams& params, const LinearCrossEntropyConfig& config);
+
+// dst[i] = g · src[i] in dst_dtype for i < count (parallel; in place when dst is src): the
+// folded gradients times the loss's upstream gradient. src is float (double with g for float64).
+void LinearCrossEntropyScale(const void* src, DType src_dtype, double g, void* dst, DType dst_dtype, int64_t count);
+
+// Rows per block of the folded forward: row_block, fewer where the [V, rows] fp32 logits block
+// would pass kFoldBlockBytes (at least 16).
+constexpr int64_t kFoldBlockBytes = int64_t{128} << 20;
+int64_t LinearCrossEntropyFoldRows(const LinearCrossEntropyConfig& config, int64_t vocab);
 
 LinearCrossEntropyConfig LinearCrossEntropyHeuristicConfig(const LinearCrossEntropyShape& call, DType dtype,
                                                            const CpuInfo& cpu, LinearCrossEntropyProduct product);
