@@ -243,13 +243,15 @@ def _folded_forward_backward(x, labels, w, upstream, **options):
 @pytest.mark.parametrize("options", FOLD_OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
 @pytest.mark.parametrize("dtype", TOLERANCE)
 def test_folded_gradients_match_float64_oracle(dtype, options):
-    """A scalar loss with a gradient needed runs the `_train` forward (3 products) and a backward
-    that only scales its gradients by the upstream gradient (here -1.7, not 1)."""
+    """fp32/float64: a scalar loss with a gradient needed runs the `_train` forward (3 products)
+    and a backward that only scales its gradients by the upstream gradient (here -1.7, not 1);
+    bf16/fp16 run the unfolded backward. Either way the gradients match the oracle."""
     x, labels, w = _problem(37, 50, 301, dtype, linear_layout=True, ignore_index=options.get("ignore_index", -100))
     upstream = -1.7
     names = _op_names(lambda: _folded_forward_backward(x, labels, w, upstream, **options))
-    assert "tokamax::_linear_softmax_cross_entropy_loss_train" in names
-    assert "tokamax::_linear_softmax_cross_entropy_loss_backward" not in names
+    folds = dtype in (torch.float32, torch.float64)  # bf16/fp16 keep the backward on the bf16 engine
+    assert ("tokamax::_linear_softmax_cross_entropy_loss_train" in names) == folds
+    assert ("tokamax::_linear_softmax_cross_entropy_loss_backward" in names) == (not folds)
     loss, dx, dw = _folded_forward_backward(x, labels, w, upstream, **options)
     xo, wo = x.double().requires_grad_(True), w.double().requires_grad_(True)
     want_loss, _ = oracle(xo, labels, wo, **options)
@@ -292,6 +294,20 @@ def test_folded_forward_is_bitwise_the_plain_forward_and_thread_count_free(dtype
     (loss + 0 * lse.sum()).backward()
     _close(xg.grad, results[0][2], GRAD_TOLERANCE[dtype], "dx")
     _close(wg.grad, results[0][3], GRAD_TOLERANCE[dtype], "dweights")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_train_op_gradients_for_half_dtypes(dtype):
+    """The `_train` op (not autograd's choice for bf16/fp16) still gives the gradients for dloss = 1."""
+    x, labels, w = _problem(37, 50, 301, dtype, linear_layout=True)
+    loss, _, dx, dw = torch.ops.tokamax._linear_softmax_cross_entropy_loss_train(
+        x, labels, w, "sum", -100, None, None, None, True, True, None, None)
+    xo, wo = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    want_loss, _ = oracle(xo, labels, wo)
+    want_loss.backward()
+    _close(loss, want_loss, TOLERANCE[dtype], "loss")
+    _close(dx, xo.grad, GRAD_TOLERANCE[dtype], "dx")
+    _close(dw, wo.grad, GRAD_TOLERANCE[dtype], "dweights")
 
 
 def test_inference_and_none_do_not_fold():
