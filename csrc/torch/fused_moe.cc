@@ -424,15 +424,25 @@ std::pair<Tensor, Tensor> Route(const Tensor& gating, int64_t topk, bool renorma
   return {weights, ids};
 }
 
-Tensor FusedMoeCpu(const Tensor& x, const Tensor& w1, const Tensor& w2, const Tensor& gating, int64_t topk,
-                   bool renormalize, c10::string_view act_fn, const OptTensor& w1_bias, const OptTensor& w2_bias,
-                   at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
+// Every fused_moe kernel's start: the argument checks, the config of `product` (given or by
+// heuristic) and the routing.
+std::tuple<FusedMoeConfig, Tensor, Tensor> CheckConfigAndRoute(
+    const Tensor& x, const Tensor& w1, const Tensor& w2, const Tensor& gating, int64_t topk, bool renormalize,
+    c10::string_view act_fn, const OptTensor& w1_bias, const OptTensor& w2_bias, at::OptionalIntArrayRef config,
+    at::OptionalIntArrayRef bwd_config, FusedMoeProduct product) {
   const MoeConfigs configs =
       CheckFusedMoeArgs(x, w1, w2, gating, topk, act_fn, w1_bias, w2_bias, config, bwd_config);
   const FusedMoeConfig resolved = ConfigOrHeuristic<&FusedMoeHeuristicConfig>(
-      configs.forward, ShapeOf(x, w1, w2, topk), ToCoreDType(x.scalar_type(), "fused_moe"),
-      FusedMoeProduct::kForward);
-  const auto [weights, ids] = Route(gating, topk, renormalize);
+      configs.forward, ShapeOf(x, w1, w2, topk), ToCoreDType(x.scalar_type(), "fused_moe"), product);
+  auto [weights, ids] = Route(gating, topk, renormalize);
+  return {resolved, weights, ids};
+}
+
+Tensor FusedMoeCpu(const Tensor& x, const Tensor& w1, const Tensor& w2, const Tensor& gating, int64_t topk,
+                   bool renormalize, c10::string_view act_fn, const OptTensor& w1_bias, const OptTensor& w2_bias,
+                   at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
+  const auto [resolved, weights, ids] = CheckConfigAndRoute(x, w1, w2, gating, topk, renormalize, act_fn, w1_bias,
+                                                            w2_bias, config, bwd_config, FusedMoeProduct::kForward);
   return RunExperts(x, w1, w2, weights, ids, act_fn, w1_bias, w2_bias, ToExpertsConfig(resolved));
 }
 
@@ -440,12 +450,8 @@ std::tuple<Tensor, Tensor> FusedMoeTrainCpu(const Tensor& x, const Tensor& w1, c
                                             int64_t topk, bool renormalize, c10::string_view act_fn,
                                             const OptTensor& w1_bias, const OptTensor& w2_bias,
                                             at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
-  const MoeConfigs configs =
-      CheckFusedMoeArgs(x, w1, w2, gating, topk, act_fn, w1_bias, w2_bias, config, bwd_config);
-  const FusedMoeConfig resolved = ConfigOrHeuristic<&FusedMoeHeuristicConfig>(
-      configs.forward, ShapeOf(x, w1, w2, topk), ToCoreDType(x.scalar_type(), "fused_moe"),
-      FusedMoeProduct::kForward);
-  const auto [weights, ids] = Route(gating, topk, renormalize);
+  const auto [resolved, weights, ids] = CheckConfigAndRoute(x, w1, w2, gating, topk, renormalize, act_fn, w1_bias,
+                                                            w2_bias, config, bwd_config, FusedMoeProduct::kForward);
   Tensor residuals;
   Tensor out = RunExperts(x, w1, w2, weights, ids, act_fn, w1_bias, w2_bias, ToExpertsConfig(resolved), &residuals);
   return {out, residuals};
@@ -455,11 +461,8 @@ Grads FusedMoeBackwardCpu(const Tensor& dout, const Tensor& x, const Tensor& w1,
                           const Tensor& gating, int64_t topk, bool renormalize, c10::string_view act_fn,
                           const OptTensor& w1_bias, const OptTensor& w2_bias, at::OptionalIntArrayRef config,
                           const OptTensor& residuals) {
-  const MoeConfigs configs = CheckFusedMoeArgs(x, w1, w2, gating, topk, act_fn, w1_bias, w2_bias, config);
-  const FusedMoeConfig resolved = ConfigOrHeuristic<&FusedMoeHeuristicConfig>(
-      configs.forward, ShapeOf(x, w1, w2, topk), ToCoreDType(x.scalar_type(), "fused_moe"),
-      FusedMoeProduct::kBackward);
-  const auto [weights, ids] = Route(gating, topk, renormalize);
+  const auto [resolved, weights, ids] = CheckConfigAndRoute(x, w1, w2, gating, topk, renormalize, act_fn, w1_bias,
+                                                            w2_bias, config, std::nullopt, FusedMoeProduct::kBackward);
   auto [dx, dw1, dw2, db1, db2, dweights] = RunExpertsBackward(dout, x, w1, w2, weights, ids, act_fn, w1_bias,
                                                                 w2_bias, ToExpertsConfig(resolved), residuals);
   Tensor dgating = NewOutput(gating.sizes(), gating.options());
