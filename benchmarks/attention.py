@@ -9,6 +9,14 @@ in this run, or for decode the read bandwidth of K and V against the measured re
 the peak resident-memory growth of one call. Writes benchmarks/results/attention.json.
 
     python benchmarks/attention.py [--quick]
+
+Per ISA tier (issue 22): one table per tier, each case (fp32 and bf16, forward and
+forward+backward) timed against SDPA, interleaved in one process, ratio = SDPA ms / tokamax ms,
+cases below 1.0x marked. Each tier runs in a subprocess with TOKAMAX_CPU_ISA=<tier> and PyTorch
+capped to the same instructions (common.run_tiers); tiers above the CPU's best are skipped.
+Writes benchmarks/results/attention_tiers.json:
+
+    python benchmarks/attention.py --tiers all [--quick]
 """
 
 from __future__ import annotations
@@ -211,7 +219,16 @@ def peak_for(dtype: str, ceilings: dict) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="half-size problems, fewer repetitions")
+    parser.add_argument("--tiers", default="", help="comma-separated ISA tiers, or 'all': one table per tier")
+    parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        tier_worker(args.quick)
+        return
+    if args.tiers:
+        common.check_tiers_arg(parser, args.tiers)
+        tier_tables(args)
+        return
     reps = 2 if args.quick else 7
     info = common.machine()
     ceilings = common.measure_ceilings()
@@ -286,6 +303,53 @@ def print_targets(rows, quick: bool) -> None:
               f"{'MET' if r['bw_fraction'] >= 0.7 else 'MISSED'}; {100 * r['same_caches_fraction']:.0f}% of a plain "
               f"read of the same caches {'MET' if r['same_caches_fraction'] >= 0.7 else 'MISSED'}; "
               f"SDPA {100 * s['bw_fraction']:.0f}% / {100 * s['same_caches_fraction']:.0f}%")
+
+
+
+# ---- per-tier tables (issue 22) -----------------------------------------------------------------
+
+def tier_cases(quick: bool):
+    """cases(quick) with each geometry in both fp32 and bf16 (decode left out: its figure of
+    merit is the read bandwidth, not a ratio to SDPA)."""
+    seen, out = set(), []
+    for c in cases(quick):
+        key = tuple((k, v) for k, v in c.items() if k != "dtype")
+        if key not in seen:
+            seen.add(key)
+            out += [dict(c, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)]
+    return out
+
+
+def tier_worker(quick: bool) -> None:
+    """One tier in this process (common.run_tier_worker): a JSON line per (case, dtype, pass, impl)."""
+    reps = 3 if quick else 7
+    for c in tier_cases(quick):
+        for backward in (False, True):
+            for r in run_case(c, backward, reps):
+                common.emit_worker_row({k: r[k] for k in ("case", "dtype", "pass_", "impl", "median_ms", "shape")})
+
+
+def tier_tables(args) -> None:
+    checkouts = {"tokamax": str(pathlib.Path(__file__).resolve().parent.parent)}
+
+    def print_table(tier, results):
+        rows = results["tokamax"]
+        head = f"{'case':<25}{'shape':<34}{'dtype':<10}{'pass':<9}{'tokamax ms':>11}{'sdpa ms':>10}{'ratio':>8}"
+        print(head)
+        print("-" * len(head))
+        for c in tier_cases(args.quick):
+            dtype = str(c["dtype"]).removeprefix("torch.")
+            for pass_ in ("fwd", "fwd+bwd"):
+                ours = _time(rows, case=c["name"], dtype=dtype, pass_=pass_, impl="tokamax")
+                theirs = _time(rows, case=c["name"], dtype=dtype, pass_=pass_, impl="sdpa")
+                if ours is None or theirs is None:
+                    continue
+                print(f"{c['name']:<25}{ours['shape']:<34}{dtype:<10}{pass_:<9}{ours['median_ms']:>11.1f}"
+                      f"{theirs['median_ms']:>10.1f}{common.ratio_text(theirs['median_ms'] / ours['median_ms'])}")
+
+    payload = common.run_tiers(args.tiers, __file__, ["--quick"] if args.quick else [], checkouts, print_table)
+    path = common.write_json("attention_tiers", dict(payload, quick=args.quick))
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

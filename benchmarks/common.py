@@ -1,12 +1,16 @@
-"""Shared benchmark plumbing: timing, the ceilings probe, machine description, output files."""
+"""Shared benchmark plumbing: timing, the ceilings probe, machine description, output files, and
+the per-ISA-tier runs (a worker subprocess per tier, PyTorch capped to the same instructions)."""
 
 from __future__ import annotations
 
 import ctypes
 import json
+import os
 import pathlib
 import platform
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -130,3 +134,110 @@ def peak_memory_mib(fn) -> float:
     before = _status_kib("VmRSS")
     fn()
     return max(_status_kib("VmHWM") - before, 0) / 1024
+
+
+# ---- per-ISA-tier tables (issue 22: one mechanism for every benchmark) ---------------------------
+
+#: Our ISA tiers, lowest first (TOKAMAX_CPU_ISA's values).
+TIERS = ("scalar", "avx2", "avx512", "avx512bf16", "amx")
+
+#: PyTorch capped to the instructions of each of our tiers: ATen's kernels, oneDNN (bf16 matmul,
+#: AMX) and MKL (fp32 sgemm).
+TIER_CAPS = {
+    "amx": {},
+    "avx512bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "scalar": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+               "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
+
+
+def best_cpu_tier() -> str:
+    """The highest tier this CPU runs (TOKAMAX_CPU_ISA, read on every call, set aside meanwhile)."""
+    forced = os.environ.pop("TOKAMAX_CPU_ISA", None)
+    try:
+        return torch.ops.tokamax._cpu_description()[2]
+    finally:
+        if forced is not None:
+            os.environ["TOKAMAX_CPU_ISA"] = forced
+
+
+def select_tiers(spec: str, best: str) -> tuple[list[str], list[str]]:
+    """The tiers to run for --tiers spec ('all' or a comma-separated list), lowest first, and
+    those skipped because they are above the CPU's best tier. 'all' leaves out scalar (named
+    only). An unknown name raises ValueError."""
+    if best not in TIERS:
+        raise ValueError(f"unknown best tier {best!r}; expected one of {', '.join(TIERS)}")
+    if spec == "all":
+        wanted = [t for t in TIERS if t != "scalar"]
+    else:
+        wanted = [t.strip() for t in spec.split(",") if t.strip()]
+        unknown = [t for t in wanted if t not in TIERS]
+        if unknown:
+            raise ValueError(f"--tiers: unknown tier(s) {', '.join(unknown)}; expected 'all' or of {', '.join(TIERS)}")
+        wanted = sorted(dict.fromkeys(wanted), key=TIERS.index)
+    limit = TIERS.index(best)
+    return [t for t in wanted if TIERS.index(t) <= limit], [t for t in wanted if TIERS.index(t) > limit]
+
+
+def check_tiers_arg(parser, spec: str) -> None:
+    """parser.error (one line, no traceback) for a --tiers value naming an unknown tier."""
+    try:
+        select_tiers(spec, TIERS[-1])
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def tier_caps_text(tier: str) -> str:
+    return " ".join(f"{k}={v}" for k, v in TIER_CAPS[tier].items()) or "uncapped"
+
+
+def emit_worker_row(row: dict) -> None:
+    """A tier worker's one result: a JSON line on stdout, which run_tier_worker collects."""
+    print(json.dumps(dict(row, tier=os.environ.get("TOKAMAX_CPU_ISA", ""))), flush=True)
+
+
+def run_tier_worker(script: str, tier: str, package_root: str, worker_args: list[str]) -> list[dict]:
+    """Runs `python script --worker 1 *worker_args` with TOKAMAX_CPU_ISA=tier, PyTorch capped to
+    the tier (TIER_CAPS) and package_root's tokamax_torch; its JSON lines, [] if it failed."""
+    env = dict(os.environ, TOKAMAX_CPU_ISA=tier, PYTHONPATH=package_root, **TIER_CAPS[tier])
+    out = subprocess.run([sys.executable, script, "--worker", "1", *worker_args], env=env, capture_output=True,
+                         text=True)
+    if out.returncode != 0:
+        print(f"tier {tier} ({package_root}) failed:\n{out.stderr[-2000:]}")
+        return []
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def ratio_text(ratio: float) -> str:
+    """A table's ratio cell: '1.23x', a '*' after it when below 1.0x (PyTorch faster)."""
+    return f"{ratio:>7.2f}x{'*' if ratio < 1.0 else ' '}"
+
+
+def run_tiers(spec: str, script: str, worker_args: list[str], checkouts: dict[str, str], print_table) -> dict:
+    """The per-tier driver of every benchmark's --tiers: prints the machine and the ceilings
+    (best tier, measured now); for each selected tier, lowest first, runs one worker per checkout
+    (label -> package root, see run_tier_worker) and calls print_table(tier, {label: rows}); a
+    tier above the CPU's best gets one line instead. Returns the JSON payload (rows carry their
+    tier and checkout). Raises ValueError for an unknown tier name before measuring anything."""
+    best = best_cpu_tier()
+    tiers, skipped = select_tiers(spec, best)
+    info = machine()
+    ceilings = measure_ceilings()
+    print(f"machine: {info['cpu']} ({info['device_kind']}), {info['threads']} threads, torch {info['torch']}")
+    print(f"ceilings (measured now, best tier {best}): fp32 FMA peak {ceilings['fma_gflops']:.1f} GFLOP/s "
+          f"(256-bit: {ceilings['fma_avx2_gflops']:.1f}), bf16 engine {ceilings['bf16_gflops']:.1f} GFLOP/s, "
+          f"read bandwidth {ceilings['read_gbps']:.1f} GB/s")
+    rows = []
+    for tier in TIERS:
+        if tier in skipped:
+            print(f"\ntier {tier}: not available on this CPU (best tier {best}); rows left open")
+        elif tier in tiers:
+            results = {label: run_tier_worker(script, tier, root, worker_args) for label, root in checkouts.items()}
+            print(f"\ntier {tier} (PyTorch: {tier_caps_text(tier)}); ratio = fastest PyTorch path / tokamax, "
+                  f"* below 1.0x")
+            print_table(tier, results)
+            rows += [dict(r, checkout=label) for label, got in results.items() for r in got]
+    return {"machine": info, "ceilings": ceilings, "best_tier": best, "skipped_tiers": skipped, "rows": rows}

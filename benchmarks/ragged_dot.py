@@ -111,6 +111,7 @@ def main() -> None:
         tier_worker(args)
         return
     if args.tiers:
+        common.check_tiers_arg(parser, args.tiers)
         tier_tables(args)
         return
 
@@ -250,27 +251,15 @@ def plot(rows, ceilings, path) -> None:
 
 # ---- per-tier tables (issue 22) -----------------------------------------------------------------
 
-# PyTorch capped to the instructions of each of our tiers: ATen's kernels, oneDNN (bf16 matmul,
-# AMX) and MKL (fp32 sgemm).
-TIER_CAPS = {
-    "amx": {},
-    "avx512bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
-    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
-               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    "scalar": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
-               "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
-}
 # A loop of torch.mm under autograd with many groups takes seconds (split/cat backward): it is
 # timed for the forward always and for forward+backward up to this many groups.
 LOOP_BACKWARD_MAX_GROUPS = 16
+TORCH_PATHS = ("torch._grouped_mm", "torch.mm loop")
 
 
 def tier_worker(args) -> None:
-    """One tier in this process: JSON lines of median ms per (shape, dtype, pass, implementation)."""
-    import json
-    import os
-
+    """One tier in this process (common.run_tier_worker): a JSON line of median ms per (shape,
+    dtype, pass, implementation)."""
     # A --compare checkout runs in its own worker process: both register torch.ops.tokamax.
     reps = 3 if args.quick else args.reps
     torch.manual_seed(0)
@@ -303,45 +292,21 @@ def tier_worker(args) -> None:
                     steps.append(step)
                 times = common.time_interleaved(steps, reps=reps)
                 for name, t in zip(fns, times):
-                    print(json.dumps(dict(shape=shape_name, dtype=dtype_name, backward=backward, implementation=name,
-                                          median_ms=t["median_ms"], tier=os.environ.get("TOKAMAX_CPU_ISA", ""))),
-                          flush=True)
-
-
-def _run_worker(args, tier: str, package_root: str) -> list[dict]:
-    import json
-    import os
-    import subprocess
-
-    env = dict(os.environ, TOKAMAX_CPU_ISA=tier, PYTHONPATH=package_root, **TIER_CAPS.get(tier, {}))
-    cmd = [sys.executable, __file__, "--worker", "1", "--shapes", args.shapes, "--dtypes", args.dtypes,
-           "--reps", str(args.reps)] + (["--quick"] if args.quick else [])
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if out.returncode != 0:
-        print(f"tier {tier} ({package_root}) failed:\n{out.stderr[-2000:]}")
-        return []
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+                    common.emit_worker_row(dict(shape=shape_name, dtype=dtype_name, backward=backward,
+                                                implementation=name, median_ms=t["median_ms"]))
 
 
 def tier_tables(args) -> None:
     import pathlib
 
-    here = str(pathlib.Path(__file__).resolve().parent.parent)
-    tiers = list(TIER_CAPS) if args.tiers == "all" else args.tiers.split(",")
-    tiers = [t for t in tiers if t != "scalar" or args.tiers != "all"]  # scalar only when named
-    ceilings = common.measure_ceilings()
-    info = common.machine()
-    print(f"machine: {info['cpu']} ({info['device_kind']}), {info['threads']} threads, torch {info['torch']}")
-    print(f"ceilings (measured now, best tier): fp32 FMA peak {ceilings['fma_gflops']:.1f} GFLOP/s "
-          f"(256-bit: {ceilings['fma_avx2_gflops']:.1f}), bf16 engine {ceilings['bf16_gflops']:.1f} GFLOP/s, "
-          f"read bandwidth {ceilings['read_gbps']:.1f} GB/s")
-    all_rows = []
-    for tier in tiers:
-        after = _run_worker(args, tier, here)
-        before = _run_worker(args, tier, args.compare) if args.compare else []
-        all_rows += [dict(r, checkout="after") for r in after] + [dict(r, checkout="before") for r in before]
-        caps = " ".join(f"{k}={v}" for k, v in TIER_CAPS.get(tier, {}).items()) or "uncapped"
-        print(f"\ntier {tier} (PyTorch: {caps}); ratio = fastest PyTorch path / tokamax, * below 1.0x")
+    checkouts = {"after": str(pathlib.Path(__file__).resolve().parent.parent)}
+    if args.compare:
+        checkouts["before"] = args.compare
+    worker_args = ["--shapes", args.shapes, "--dtypes", args.dtypes, "--reps", str(args.reps)]
+    worker_args += ["--quick"] if args.quick else []
+
+    def print_table(tier, results):
+        after, before = results["after"], results.get("before", [])
         head = f"{'case':<40}{'dtype':<10}{'pass':<9}{'tokamax ms':>11}{'torch ms':>10}{'fastest':>19}{'ratio':>8}"
         if before:
             head += f"{'before ms':>11}{'ratio':>8}"
@@ -357,22 +322,20 @@ def tier_tables(args) -> None:
                                      r["dtype"] == dtype_name and r["backward"] == backward and
                                      r["implementation"] == name), None)
                     ours = pick(after, "tokamax")
-                    torch_paths = {n: pick(after, n) for n in ("torch._grouped_mm", "torch.mm loop")}
-                    torch_paths = {n: v for n, v in torch_paths.items() if v is not None}
+                    torch_paths = {n: v for n in TORCH_PATHS if (v := pick(after, n)) is not None}
                     if ours is None or not torch_paths:
                         continue
                     fastest = min(torch_paths, key=torch_paths.get)
-                    ratio = torch_paths[fastest] / ours
                     line = (f"{label:<40}{dtype_name:<10}{'fwd+bwd' if backward else 'fwd':<9}{ours:>11.2f}"
-                            f"{torch_paths[fastest]:>10.2f}{fastest:>19}{ratio:>7.2f}x{'*' if ratio < 1.0 else ' '}")
+                            f"{torch_paths[fastest]:>10.2f}{fastest:>19}{common.ratio_text(torch_paths[fastest] / ours)}")
                     old = pick(before, "tokamax")
-                    old_torch = min((v for n in ("torch._grouped_mm", "torch.mm loop")
-                                     if (v := pick(before, n)) is not None), default=None)
+                    old_torch = min((v for n in TORCH_PATHS if (v := pick(before, n)) is not None), default=None)
                     if old is not None and old_torch is not None:
-                        old_ratio = old_torch / old
-                        line += f"{old:>10.2f}{old_ratio:>7.2f}x{'*' if old_ratio < 1.0 else ' '}"
+                        line += f"{old:>10.2f}{common.ratio_text(old_torch / old)}"
                     print(line)
-    path = common.write_json("ragged_dot_tiers", {"machine": info, "ceilings": ceilings, "rows": all_rows})
+
+    payload = common.run_tiers(args.tiers, __file__, worker_args, checkouts, print_table)
+    path = common.write_json("ragged_dot_tiers", payload)
     print(f"\nwrote {path}")
 
 
