@@ -334,7 +334,7 @@ def tier_tables(args) -> None:
 
     def print_table(tier, results):
         rows = results["tokamax"]
-        head = f"{'case':<25}{'shape':<34}{'dtype':<10}{'pass':<9}{'tokamax ms':>11}{'sdpa ms':>10}{'ratio':>8}"
+        head = f"{'case':<25}{'shape':<36}{'dtype':<10}{'pass':<9}{'tokamax ms':>11}{'sdpa ms':>10}{'ratio':>8}"
         print(head)
         print("-" * len(head))
         for c in tier_cases(args.quick):
@@ -344,7 +344,7 @@ def tier_tables(args) -> None:
                 theirs = _time(rows, case=c["name"], dtype=dtype, pass_=pass_, impl="sdpa")
                 if ours is None or theirs is None:
                     continue
-                print(f"{c['name']:<25}{ours['shape']:<34}{dtype:<10}{pass_:<9}{ours['median_ms']:>11.1f}"
+                print(f"{c['name']:<25}{ours['shape']:<36}{dtype:<10}{pass_:<9}{ours['median_ms']:>11.1f}"
                       f"{theirs['median_ms']:>10.1f}{common.ratio_text(theirs['median_ms'] / ours['median_ms'])}")
 
     payload = common.run_tiers(args.tiers, __file__, ["--quick"] if args.quick else [], checkouts, print_table)
