@@ -348,8 +348,7 @@ def tier_tables(args) -> None:
                       f"{theirs['median_ms']:>10.1f}{common.ratio_text(theirs['median_ms'] / ours['median_ms'])}")
 
     payload = common.run_tiers(args.tiers, __file__, ["--quick"] if args.quick else [], checkouts, print_table)
-    path = common.write_json("attention_tiers", dict(payload, quick=args.quick))
-    print(f"\nwrote {path}")
+    common.write_tiers_json("attention_tiers", dict(payload, quick=args.quick))
 
 
 if __name__ == "__main__":

@@ -216,6 +216,15 @@ def ratio_text(ratio: float) -> str:
     return f"{ratio:>7.2f}x{'*' if ratio < 1.0 else ' '}"
 
 
+def write_tiers_json(name: str, payload: dict) -> None:
+    """Writes run_tiers' payload to results/<name>.json, unless no tier ran (every one skipped):
+    then the previous results stay."""
+    if not payload["rows"]:
+        print("\nno tier ran: results file left as it was")
+        return
+    print(f"\nwrote {write_json(name, payload)}")
+
+
 def run_tiers(spec: str, script: str, worker_args: list[str], checkouts: dict[str, str], print_table) -> dict:
     """The per-tier driver of every benchmark's --tiers: prints the machine and the ceilings
     (best tier, measured now); for each selected tier, lowest first, runs one worker per checkout

@@ -335,8 +335,7 @@ def tier_tables(args) -> None:
                     print(line)
 
     payload = common.run_tiers(args.tiers, __file__, worker_args, checkouts, print_table)
-    path = common.write_json("ragged_dot_tiers", payload)
-    print(f"\nwrote {path}")
+    common.write_tiers_json("ragged_dot_tiers", payload)
 
 
 if __name__ == "__main__":
