@@ -10,18 +10,8 @@ namespace tokamax {
 TOKAMAX_DECLARE_IN_TIERS(double FmaPeak(int64_t iterations); double Bf16ProductPeak(int64_t iterations);)
 
 double MeasureFmaPeakGflops(Isa isa, int64_t iterations) {
-  switch (isa) {
-#ifdef TOKAMAX_HAVE_AVX512
-    case Isa::kAvx512:
-    case Isa::kAvx512Bf16:
-    case Isa::kAmx: return tier_avx512::FmaPeak(iterations);  // the fp32 FMA peak
-#endif
-#ifdef TOKAMAX_HAVE_AVX2
-    case Isa::kAvx2: return tier_avx2::FmaPeak(iterations);
-#endif
-    default: break;
-  }
-  return tier_scalar::FmaPeak(iterations);
+  // The fp32 FMA peak of the tier's widest vectors.
+  TOKAMAX_RETURN_BY_VECTOR_WIDTH(isa, FmaPeak(iterations));
 }
 
 double MeasureBf16ProductPeakGflops(Isa isa, int64_t iterations) {

@@ -13,18 +13,7 @@ TOKAMAX_DECLARE_IN_TIERS(const SoftmaxKernels& SoftmaxKernelTable();)
 // A tier this build lacks (IsaBuilt) gets the scalar table. The avx512bf16 and amx tiers add
 // nothing to fp32 column loops: they run the avx512 one.
 const SoftmaxKernels& GetSoftmaxKernels(Isa isa) {
-  switch (isa) {
-#ifdef TOKAMAX_HAVE_AVX512
-    case Isa::kAvx512:
-    case Isa::kAvx512Bf16:
-    case Isa::kAmx: return tier_avx512::SoftmaxKernelTable();
-#endif
-#ifdef TOKAMAX_HAVE_AVX2
-    case Isa::kAvx2: return tier_avx2::SoftmaxKernelTable();
-#endif
-    default: break;
-  }
-  return tier_scalar::SoftmaxKernelTable();
+  TOKAMAX_RETURN_BY_VECTOR_WIDTH(isa, SoftmaxKernelTable());
 }
 
 void UpdateRunningMax(const SoftmaxKernels& kernels, const float* x, int64_t rows, int64_t ld, int64_t cols,

@@ -26,18 +26,7 @@ namespace {
 
 // The tier's row pass of the backward; the avx512bf16 and amx tiers run avx512's.
 MoeRowGradsFn RowGradsOf(Isa isa, DType dtype, Activation activation) {
-  switch (isa) {
-#ifdef TOKAMAX_HAVE_AVX512
-    case Isa::kAvx512:
-    case Isa::kAvx512Bf16:
-    case Isa::kAmx: return tier_avx512::MoeRowGrads(dtype, activation);
-#endif
-#ifdef TOKAMAX_HAVE_AVX2
-    case Isa::kAvx2: return tier_avx2::MoeRowGrads(dtype, activation);
-#endif
-    default: break;
-  }
-  return tier_scalar::MoeRowGrads(dtype, activation);
+  TOKAMAX_RETURN_BY_VECTOR_WIDTH(isa, MoeRowGrads(dtype, activation));
 }
 
 

@@ -197,7 +197,9 @@ TEST_P(FusedExpertsTest, BackwardMatchesCentralDifferencesInFloat64) {
     if (rows[e] != 0) continue;
     for (int64_t i = 0; i < s.h * 2 * s.inter; ++i) EXPECT_EQ(dw1[e * s.h * 2 * s.inter + i], 0.0);
     for (int64_t i = 0; i < s.inter * s.h; ++i) EXPECT_EQ(dw2[e * s.inter * s.h + i], 0.0);
-    if (bias) for (int64_t i = 0; i < s.h; ++i) EXPECT_EQ(db2[e * s.h + i], 0.0);
+    if (bias) {
+      for (int64_t i = 0; i < s.h; ++i) EXPECT_EQ(db2[e * s.h + i], 0.0);
+    }
   }
 }
 

@@ -21,18 +21,7 @@ namespace {
 
 // The tier's row of the elementwise backward; the avx512bf16 and amx tiers run avx512's.
 GluRowGradsFn RowGradsOf(Isa isa, DType dtype, Activation activation) {
-  switch (isa) {
-#ifdef TOKAMAX_HAVE_AVX512
-    case Isa::kAvx512:
-    case Isa::kAvx512Bf16:
-    case Isa::kAmx: return tier_avx512::GluRowGrads(dtype, activation);
-#endif
-#ifdef TOKAMAX_HAVE_AVX2
-    case Isa::kAvx2: return tier_avx2::GluRowGrads(dtype, activation);
-#endif
-    default: break;
-  }
-  return tier_scalar::GluRowGrads(dtype, activation);
+  TOKAMAX_RETURN_BY_VECTOR_WIDTH(isa, GluRowGrads(dtype, activation));
 }
 
 // Packing B pays once a task reuses each of its elements for about this many rows; fewer rows

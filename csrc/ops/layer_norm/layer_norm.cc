@@ -19,18 +19,7 @@ TOKAMAX_DECLARE_IN_TIERS(const LayerNormKernels& LayerNormKernelTable();)
 
 // The avx512bf16 and amx tiers add nothing to these loops: they run the avx512 one.
 const LayerNormKernels& GetLayerNormKernels(Isa isa) {
-  switch (isa) {
-#ifdef TOKAMAX_HAVE_AVX512
-    case Isa::kAvx512:
-    case Isa::kAvx512Bf16:
-    case Isa::kAmx: return tier_avx512::LayerNormKernelTable();
-#endif
-#ifdef TOKAMAX_HAVE_AVX2
-    case Isa::kAvx2: return tier_avx2::LayerNormKernelTable();
-#endif
-    default: break;
-  }
-  return tier_scalar::LayerNormKernelTable();
+  TOKAMAX_RETURN_BY_VECTOR_WIDTH(isa, LayerNormKernelTable());
 }
 
 int64_t LayerNormRowOffset(const LayerNormRows& t, int rank, int64_t row) {

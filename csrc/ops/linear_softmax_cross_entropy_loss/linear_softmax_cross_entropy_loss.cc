@@ -22,18 +22,7 @@ TOKAMAX_DECLARE_IN_TIERS(const LinearCrossEntropyKernels& LinearCrossEntropyKern
 
 // The avx512bf16 and amx tiers add nothing to fp32 column loops: they run the avx512 one.
 const LinearCrossEntropyKernels& GetLinearCrossEntropyKernels(Isa isa) {
-  switch (isa) {
-#ifdef TOKAMAX_HAVE_AVX512
-    case Isa::kAvx512:
-    case Isa::kAvx512Bf16:
-    case Isa::kAmx: return tier_avx512::LinearCrossEntropyKernelTable();
-#endif
-#ifdef TOKAMAX_HAVE_AVX2
-    case Isa::kAvx2: return tier_avx2::LinearCrossEntropyKernelTable();
-#endif
-    default: break;
-  }
-  return tier_scalar::LinearCrossEntropyKernelTable();
+  TOKAMAX_RETURN_BY_VECTOR_WIDTH(isa, LinearCrossEntropyKernelTable());
 }
 
 namespace {

@@ -14,18 +14,7 @@ TOKAMAX_DECLARE_IN_TIERS(const TopKKernels& TopKKernelTable();)
 
 // A tier this build lacks gets the scalar table; the avx512 variants add nothing to a compare scan.
 const TopKKernels& GetTopKKernels(Isa isa) {
-  switch (isa) {
-#ifdef TOKAMAX_HAVE_AVX512
-    case Isa::kAvx512:
-    case Isa::kAvx512Bf16:
-    case Isa::kAmx: return tier_avx512::TopKKernelTable();
-#endif
-#ifdef TOKAMAX_HAVE_AVX2
-    case Isa::kAvx2: return tier_avx2::TopKKernelTable();
-#endif
-    default: break;
-  }
-  return tier_scalar::TopKKernelTable();
+  TOKAMAX_RETURN_BY_VECTOR_WIDTH(isa, TopKKernelTable());
 }
 
 namespace {
