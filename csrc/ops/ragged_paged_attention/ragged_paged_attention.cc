@@ -185,17 +185,18 @@ void RunTask(const RaggedPagedAttentionParams& p, const RaggedPagedAttentionConf
   // Prefetching: a head's rows are a cache row apart (2 * Hkv * D elements) and pages are
   // scattered, so the hardware prefetchers find nothing to follow. The row products ask for
   // `next` as they go, one request beside each vector they load (a burst of requests stalls on
-  // the fill buffers): the K pass for the run's V rows (the adjacent merged head), the V pass for
-  // the next tile's K rows at the same offset.
-  auto next_k = [&](int64_t following, int64_t g) -> const void* {
-    return following < k_hi ? row_at(following, 2 * g) : nullptr;
+  // the fill buffers): each run the head's next run, the K pass's last run the tile's first V
+  // run, the V pass's last run the next tile's first K run (dot_product_attention's row path
+  // order). run_rows(from, end, n, merged): the first of n rows from position `from` when they
+  // lie before `end` in one page (one stride apart), else null (no request).
+  auto run_rows = [&](int64_t from, int64_t end, int64_t n, int64_t merged) -> const void* {
+    if (from + n > end || from % page_size + n > page_size) return nullptr;
+    return row_at(from, merged);
   };
-  const int64_t v_offset = static_cast<const char*>(p.kv_cache.At(0, 0, 1, 0)) -
-                           static_cast<const char*>(p.kv_cache.At(0, 0, 0, 0));
   for (int64_t t0 = k_lo / block * block; t0 < k_hi; t0 += block) {
     const int64_t s0 = std::max(t0, k_lo), s1 = std::min(t0 + block, k_hi), keys = s1 - s0;
-    for_runs(s0, s1, 0, [&](int64_t g, const void* key, int64_t n, int64_t j, int64_t) {
-      const void* next = static_cast<const char*>(key) + v_offset;
+    for_runs(s0, s1, 0, [&](int64_t g, const void* key, int64_t n, int64_t j, int64_t pos) {
+      const void* next = pos + n < s1 ? run_rows(pos + n, s1, n, 2 * g) : run_rows(s0, s1, n, 2 * g + 1);
       const int64_t base = (g - task.g0) * per_head;
       for (int64_t c0 = 0; c0 < per_head; c0 += kRows) {
         const int64_t count = std::min(kRows, per_head - c0);
@@ -235,7 +236,7 @@ void RunTask(const RaggedPagedAttentionParams& p, const RaggedPagedAttentionConf
     k.softmax->exp_columns(st, keys, cols, cols, sub, sum);
     k.softmax->scale_rows(acc, d, rows, d, alpha);
     for_runs(s0, s1, 1, [&](int64_t g, const void* value, int64_t n, int64_t j, int64_t pos) {
-      const void* next = next_k(pos + keys, g);
+      const void* next = pos + n < s1 ? run_rows(pos + n, s1, n, 2 * g + 1) : run_rows(s1, k_hi, n, 2 * g);
       const int64_t base = (g - task.g0) * per_head;
       for (int64_t c0 = 0; c0 < per_head; c0 += kRows) {
         const int64_t count = std::min(kRows, per_head - c0);
