@@ -433,13 +433,14 @@ ForwardResult LceAutograd(const Tensor& x, const Tensor& labels, const Tensor& w
                           std::optional<double> z_loss_weight, std::optional<double> logits_soft_cap,
                           at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
   // Fold the gradient into the forward when one will be needed and the loss is a scalar (a
-  // per-row upstream gradient of 'none' is unknown until the backward). fp32/float64 only: the
-  // folded gradient products take fp32 dlogits, so for bf16/fp16 they leave the bf16 engine
-  // (AMX) that the unfolded backward uses; measured no faster there and +2 fp32 gradient
-  // buffers of memory (docs/benchmarks.md, LCE fold).
+  // per-row upstream gradient of 'none' is unknown until the backward), where the core's
+  // heuristic says the fold pays for the dtype and tier (LinearCrossEntropyFolds: not bf16/fp16
+  // on amx). A folded bf16/fp16 call holds fp32 dx and dweights until the backward scales them.
+  Isa isa = Isa::kScalar;
+  (void)ActiveIsa(&isa);  // an error here is the kernel's to report
+  const bool folds = IsSupportedFloat(x.scalar_type()) && LinearCrossEntropyFolds(ToCoreDType(x.scalar_type(), kOp), isa);
   const bool fold = at::GradMode::is_enabled() && (x.requires_grad() || weights.requires_grad()) &&
-                    ParseReduction(reduction) != LossReduction::kNone &&
-                    (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble);
+                    ParseReduction(reduction) != LossReduction::kNone && folds;
   const tensor_list out = LceFunction::apply(x, labels, weights, reduction, ignore_index, label_smoothing,
                                              z_loss_weight, logits_soft_cap, config, bwd_config, fold);
   return {out[0], out[1]};

@@ -481,6 +481,11 @@ int64_t LinearCrossEntropyFoldRows(const LinearCrossEntropyConfig& config, int64
   return std::clamp<int64_t>(fit, kColumns, config.row_block);
 }
 
+bool LinearCrossEntropyFolds(DType dtype, Isa isa) {
+  if (dtype == DType::kFloat32 || dtype == DType::kFloat64) return true;
+  return isa != Isa::kAmx;
+}
+
 void LinearCrossEntropyScale(const void* src, DType src_dtype, double g, void* dst, DType dst_dtype, int64_t count) {
   ParallelFor(0, count, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
     if (src_dtype == DType::kFloat64) {  // float64 gradients: double in, double out

@@ -103,6 +103,14 @@ void LinearCrossEntropyScale(const void* src, DType src_dtype, double g, void* d
 constexpr int64_t kFoldBlockBytes = int64_t{128} << 20;
 int64_t LinearCrossEntropyFoldRows(const LinearCrossEntropyConfig& config, int64_t vocab);
 
+// Whether the autograd forward folds the gradient in for x of `dtype` on tier `isa` (sum/mean, a
+// gradient needed): always for fp32/float64; for bf16/fp16 everywhere but the amx tier, whose
+// tile products are fast enough that the fold's three products ran no faster than the unfolded
+// four there (docs/benchmarks.md, LCE fold), while on avx512bf16 (vdpbf16ps at ~2x the fp32 FMA
+// rate; measured x0.78-0.80 of the time on Zen 4) and on tiers without a bf16 engine a quarter
+// fewer flops is about a quarter less time. The price: fp32 dx and dW held to the backward.
+bool LinearCrossEntropyFolds(DType dtype, Isa isa);
+
 LinearCrossEntropyConfig LinearCrossEntropyHeuristicConfig(const LinearCrossEntropyShape& call, DType dtype,
                                                            const CpuInfo& cpu, LinearCrossEntropyProduct product);
 std::vector<LinearCrossEntropyConfig> LinearCrossEntropyConfigSpace(const LinearCrossEntropyShape& call, DType dtype,
