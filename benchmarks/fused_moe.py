@@ -140,7 +140,7 @@ def main() -> None:
                 for name in filter(None, args.skip.split(",")):
                     impls.pop(name.strip(), None)
                 if backward:
-                    impls.pop("tokamax unfused ops")
+                    impls.pop("tokamax unfused ops", None)
                 leaves = [t.detach().requires_grad_(backward) for t in (x, gate_up, down, gating)]
                 dout = torch.randn(s["t"], s["h"], generator=gen).to(dtype)
 
