@@ -50,9 +50,7 @@ TOKAMAX_DECLARE_IN_TIERS(GatherSumRowsFn GatherSumRows(DType dtype);)
 namespace {
 
 // The active tier's row sum (the avx512bf16 and amx tiers run avx512's); null for float64.
-GatherSumRowsFn SumRowsOf(DType dtype) {
-  Isa isa = Isa::kScalar;
-  if (!ActiveIsa(&isa).ok()) isa = Isa::kScalar;
+GatherSumRowsFn SumRowsOf(Isa isa, DType dtype) {
   switch (isa) {
 #ifdef TOKAMAX_HAVE_AVX512
     case Isa::kAvx512:
@@ -68,7 +66,7 @@ GatherSumRowsFn SumRowsOf(DType dtype) {
 }
 
 // A run of row sums on the tier's SumRows, each call prefetching the next one's rows: item i's
-// rows and weights come from collect(i, rows, weights) (returns the count; weights may be null).
+// rows and weights come from collect(i, rows, weights), which returns their count.
 template <typename Collect, typename OutAt>
 void SumRowRuns(GatherSumRowsFn sum_rows, int64_t begin, int64_t end, int64_t limit, int64_t max_rows,
                 int64_t width, const Collect& collect, const OutAt& out_at) {
@@ -203,7 +201,10 @@ Status RaggedGatherReduce(const RaggedGatherReduceParams& p) {
     });
     return Status::Ok();
   }
-  const GatherSumRowsFn sum_rows = SumRowsOf(p.x.dtype);
+  Isa isa;
+  const Status isa_status = ActiveIsa(&isa);
+  if (!isa_status.ok()) return isa_status;
+  const GatherSumRowsFn sum_rows = SumRowsOf(isa, p.x.dtype);
   if (sum_rows != nullptr && p.x.strides[1] == 1 && p.out.strides[1] == 1) {
     ParallelFor(0, tokens, Grain(g * hidden), [&](int64_t begin, int64_t end) {
       auto collect = [&](int64_t t, const void** rows, float* weights) {
@@ -259,7 +260,10 @@ Status RaggedGatherReduceBackward(const RaggedGatherReduceParams& p) {
       n, rows + 1, [&](int64_t j) { return Selected(p, j) ? p.indices[j] : rows; }, &order[0], nullptr,
       &starts[0]);
   const int64_t per_row = std::max<int64_t>(1, n / std::max<int64_t>(1, rows)) * hidden;
-  const GatherSumRowsFn sum_rows = SumRowsOf(p.x.dtype);
+  Isa isa;
+  const Status isa_status = ActiveIsa(&isa);
+  if (!isa_status.ok()) return isa_status;
+  const GatherSumRowsFn sum_rows = SumRowsOf(isa, p.x.dtype);
   const bool tiered_dx = sum_rows != nullptr && p.dout.strides[1] == 1 && p.dx.strides[1] == 1;
   if (tiered_dx) {
     int64_t max_rows = 0;  // the most j gathering one row
