@@ -7,6 +7,9 @@ two expert weights and the router logits) of
   - HF eager             (transformers' Qwen3MoeExperts, the per-expert loop, after the same router
                           in plain PyTorch)
   - HF grouped_mm        (the same module with experts_implementation="grouped_mm", its CPU default)
+  - compiled reference   (torch.compile(fullgraph=True) of fused_moe's reference, the dense
+                          every-expert-on-every-token ATen composition, E/k times the kernel's
+                          products; a case whose compile fails gets the reason in the table)
 and the forward of
   - tokamax unfused ops  (router_topk + moe_permute + ragged_gather + ragged_dot + GLU + ragged_dot +
                           ragged_gather_reduce in plain PyTorch)
@@ -14,6 +17,7 @@ Every implementation gets the weights as Hugging Face stores them (gate_up_proj[
 down_proj[E, H, I]); ours reads them as transposed views. Timings are interleaved (shared machine).
 
     python benchmarks/fused_moe.py [--reps 2] [--quick] [--shapes a,b] [--dtypes float32,bfloat16]
+                                   [--skip 'HF eager,compiled reference']
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import sys
 import torch
 
 import tokamax_torch
+from tokamax_torch.ops import fused_moe as fused_moe_op
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -92,8 +97,12 @@ def implementations(s):
 
         return run
 
+    compiled = torch.compile(
+        lambda x, gu, dn, g: fused_moe_op.reference(x, gu.transpose(1, 2), dn.transpose(1, 2), g, topk=k),
+        fullgraph=True)
+
     return {"tokamax fused_moe": fused, "HF eager": hf("eager"), "HF grouped_mm": hf("grouped_mm"),
-            "tokamax unfused ops": lambda x, gu, dn, g: unfused(x, gu, dn, g, k)}
+            "compiled reference": compiled, "tokamax unfused ops": lambda x, gu, dn, g: unfused(x, gu, dn, g, k)}
 
 
 def main() -> None:
@@ -131,7 +140,7 @@ def main() -> None:
                 for name in filter(None, args.skip.split(",")):
                     impls.pop(name.strip(), None)
                 if backward:
-                    impls.pop("tokamax unfused ops")
+                    impls.pop("tokamax unfused ops", None)
                 leaves = [t.detach().requires_grad_(backward) for t in (x, gate_up, down, gating)]
                 dout = torch.randn(s["t"], s["h"], generator=gen).to(dtype)
 
@@ -147,9 +156,24 @@ def main() -> None:
 
                     return run
 
+                failed = {}
+                if "compiled reference" in impls:
+                    # A fresh compile per case (static shapes, no recompile limit reached), done here,
+                    # untimed; a failure is reported in the table, not raised.
+                    torch._dynamo.reset()
+                    try:
+                        step(impls["compiled reference"])()
+                    except Exception as exc:  # noqa: BLE001
+                        failed["compiled reference"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                        del impls["compiled reference"]
                 names = list(impls)
                 timings = common.time_interleaved([step(impls[n]) for n in names], reps=args.reps)
                 fused_ms = timings[0]["median_ms"]
+                for name, reason in failed.items():
+                    rows.append(dict(shape=shape_name, **s, dtype=dtype_name, backward=backward, implementation=name,
+                                     failed=reason))
+                    print(f"{label:<38}{dtype_name:<10}{'fwd+bwd' if backward else 'fwd':<9}{name:<22}"
+                          f"  failed: {reason}")
                 flops = fwd_flops * (3 if backward else 1)
                 for name, r in zip(names, timings):
                     ms = r["median_ms"]
@@ -170,6 +194,8 @@ def print_targets(rows) -> None:
     (fwd+bwd), fused over our unfused ops >= 1.2x (forward)."""
     print("\ntargets (this run; 'fused x' is the other's time over the fused op's):")
     for r in rows:
+        if "failed" in r:
+            continue
         target = {("HF eager", True): 1.5, ("HF grouped_mm", True): 1.2,
                   ("tokamax unfused ops", False): 1.2}.get((r["implementation"], r["backward"]))
         if target:

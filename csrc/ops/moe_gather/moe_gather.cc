@@ -6,7 +6,11 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
+#include "csrc/core/runtime/isa.h"
+#include "csrc/core/vec/tiers.h"
 #include "csrc/ops/moe_gather/counting_sort.h"
 #include "csrc/ops/moe_gather/element_access.h"
 #include "csrc/core/runtime/large_buffer.h"
@@ -40,7 +44,43 @@ Status MoePermute(const MoePermuteParams& p) {
 // ---- ragged_gather_reduce ------------------------------------------------------------------------
 
 namespace tokamax {
+
+TOKAMAX_DECLARE_IN_TIERS(GatherSumRowsFn GatherSumRows(DType dtype);)
+
 namespace {
+
+// The active tier's row sum (the avx512bf16 and amx tiers run avx512's); null for float64.
+GatherSumRowsFn SumRowsOf(Isa isa, DType dtype) {
+  switch (isa) {
+#ifdef TOKAMAX_HAVE_AVX512
+    case Isa::kAvx512:
+    case Isa::kAvx512Bf16:
+    case Isa::kAmx: return tier_avx512::GatherSumRows(dtype);
+#endif
+#ifdef TOKAMAX_HAVE_AVX2
+    case Isa::kAvx2: return tier_avx2::GatherSumRows(dtype);
+#endif
+    default: break;
+  }
+  return tier_scalar::GatherSumRows(dtype);
+}
+
+// A run of row sums on the tier's SumRows, each call prefetching the next one's rows: item i's
+// rows and weights come from collect(i, rows, weights), which returns their count.
+template <typename Collect, typename OutAt>
+void SumRowRuns(GatherSumRowsFn sum_rows, int64_t begin, int64_t end, int64_t limit, int64_t max_rows,
+                int64_t width, const Collect& collect, const OutAt& out_at) {
+  std::vector<const void*> rows(max_rows), next(max_rows);
+  std::vector<float> weights(max_rows), next_weights(max_rows);
+  int64_t count = collect(begin, rows.data(), weights.data());
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t next_count = i + 1 < limit ? collect(i + 1, next.data(), next_weights.data()) : 0;
+    sum_rows(rows.data(), weights.data(), count, next.data(), next_count, out_at(i), width);
+    std::swap(rows, next);
+    std::swap(weights, next_weights);
+    count = next_count;
+  }
+}
 
 // Columns per accumulator tile: 2 KiB of fp32 (4 KiB fp64) on the stack, in L1 with the rows.
 constexpr int64_t kColumnTile = 512;
@@ -161,6 +201,25 @@ Status RaggedGatherReduce(const RaggedGatherReduceParams& p) {
     });
     return Status::Ok();
   }
+  Isa isa;
+  const Status isa_status = ActiveIsa(&isa);
+  if (!isa_status.ok()) return isa_status;
+  const GatherSumRowsFn sum_rows = SumRowsOf(isa, p.x.dtype);
+  if (sum_rows != nullptr && p.x.strides[1] == 1 && p.out.strides[1] == 1) {
+    ParallelFor(0, tokens, Grain(g * hidden), [&](int64_t begin, int64_t end) {
+      auto collect = [&](int64_t t, const void** rows, float* weights) {
+        int64_t count = 0;
+        for (int64_t j = t * g; j < (t + 1) * g; ++j) {
+          if (!Selected(p, j)) continue;
+          rows[count] = p.x.At(p.indices[j], 0);
+          weights[count++] = static_cast<float>(WeightAt(p, j));
+        }
+        return count;
+      };
+      SumRowRuns(sum_rows, begin, end, tokens, g, hidden, collect, [&](int64_t t) { return p.out.At(t, 0); });
+    });
+    return Status::Ok();
+  }
   return DispatchDType(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = Acc<T>;
@@ -200,26 +259,49 @@ Status RaggedGatherReduceBackward(const RaggedGatherReduceParams& p) {
   StableCountingSort(
       n, rows + 1, [&](int64_t j) { return Selected(p, j) ? p.indices[j] : rows; }, &order[0], nullptr,
       &starts[0]);
+  const int64_t per_row = std::max<int64_t>(1, n / std::max<int64_t>(1, rows)) * hidden;
+  Isa isa;
+  const Status isa_status = ActiveIsa(&isa);
+  if (!isa_status.ok()) return isa_status;
+  const GatherSumRowsFn sum_rows = SumRowsOf(isa, p.x.dtype);
+  const bool tiered_dx = sum_rows != nullptr && p.dout.strides[1] == 1 && p.dx.strides[1] == 1;
+  if (tiered_dx) {
+    int64_t max_rows = 0;  // the most j gathering one row
+    for (int64_t r = 0; r < rows; ++r) max_rows = std::max(max_rows, starts[r + 1] - starts[r]);
+    ParallelFor(0, rows, Grain(per_row), [&](int64_t begin, int64_t end) {
+      auto collect = [&](int64_t r, const void** sources, float* weights) {
+        int64_t count = 0;
+        for (int64_t i = starts[r]; i < starts[r + 1]; ++i) {
+          const int64_t j = order[i];
+          sources[count] = p.dout.At(j / g, 0);
+          weights[count++] = static_cast<float>(WeightAt(p, j));
+        }
+        return count;
+      };
+      SumRowRuns(sum_rows, begin, end, rows, max_rows, hidden, collect, [&](int64_t r) { return p.dx.At(r, 0); });
+    });
+  }
   return DispatchDType(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = Acc<T>;
-    const int64_t per_row = std::max<int64_t>(1, n / std::max<int64_t>(1, rows)) * hidden;
-    ParallelFor(0, rows, Grain(per_row), [&](int64_t begin, int64_t end) {
-      A acc[kColumnTile];
-      for (int64_t r = begin; r < end; ++r) {
-        for (int64_t c0 = 0; c0 < hidden; c0 += kColumnTile) {
-          const int64_t width = std::min(kColumnTile, hidden - c0);
-          std::fill(acc, acc + width, A(0));
-          for (int64_t i = starts[r]; i < starts[r + 1]; ++i) {
-            const int64_t j = order[i];
-            const A w = static_cast<A>(WeightAt(p, j));
-            Axpy(acc, static_cast<const T*>(p.dout.At(j / g, c0)), p.dout.strides[1], width, w, false);
+    if (!tiered_dx) {
+      ParallelFor(0, rows, Grain(per_row), [&](int64_t begin, int64_t end) {
+        A acc[kColumnTile];
+        for (int64_t r = begin; r < end; ++r) {
+          for (int64_t c0 = 0; c0 < hidden; c0 += kColumnTile) {
+            const int64_t width = std::min(kColumnTile, hidden - c0);
+            std::fill(acc, acc + width, A(0));
+            for (int64_t i = starts[r]; i < starts[r + 1]; ++i) {
+              const int64_t j = order[i];
+              const A w = static_cast<A>(WeightAt(p, j));
+              Axpy(acc, static_cast<const T*>(p.dout.At(j / g, c0)), p.dout.strides[1], width, w, false);
+            }
+            T* dx = static_cast<T*>(p.dx.At(r, c0));
+            for (int64_t h = 0; h < width; ++h) Store(dx + h * p.dx.strides[1], acc[h]);
           }
-          T* dx = static_cast<T*>(p.dx.At(r, c0));
-          for (int64_t h = 0; h < width; ++h) Store(dx + h * p.dx.strides[1], acc[h]);
         }
-      }
-    });
+      });
+    }
     if (p.dtopk_weights.data == nullptr) return Status::Ok();
     ParallelFor(0, n, Grain(hidden), [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {

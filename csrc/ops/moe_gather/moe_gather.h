@@ -77,6 +77,13 @@ struct RaggedGatherReduceParams {
   MutableStridedView<1> dtopk_weights;  // backward: [N], topk_weights' dtype; null data: not computed
 };
 
+// The row sum both kernels run on unit-stride rows (moe_gather_kernels_tiered.cc, one per tier
+// and dtype; null for float64): out[h] = sum over i < count, ascending, of w[i] * rows[i][h] in
+// fp32 (0 when count is 0), for h < width, stored in the rows' dtype; `next` (next_count rows,
+// the next call's) are prefetched at the same columns.
+using GatherSumRowsFn = void (*)(const void* const* rows, const float* w, int64_t count, const void* const* next,
+                                 int64_t next_count, void* out, int64_t width);
+
 Status RaggedGatherReduce(const RaggedGatherReduceParams& params);
 Status RaggedGatherReduceBackward(const RaggedGatherReduceParams& params);
 
