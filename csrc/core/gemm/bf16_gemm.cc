@@ -50,6 +50,9 @@ void PackVnniFromRows(const float*, int64_t, int64_t, int64_t, int64_t, uint16_t
 void ExpPackVnni(const float*, int64_t, int64_t, int64_t, int64_t, const float*, float*, uint16_t*) {
   MissingTier(__func__, "avx512bf16");
 }
+void PackVnniFromBf16Rows(const uint16_t*, int64_t, int64_t, int64_t, int64_t, uint16_t*) {
+  MissingTier(__func__, "avx512bf16");
+}
 void PackVnniPair(const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, uint16_t*) { MissingTier(__func__, "avx512bf16"); }
 void PackVnniFromBf16Vectors(const uint16_t* const[16], int64_t, int64_t, int64_t, uint16_t*, uint16_t*) {
   MissingTier(__func__, "avx512bf16");

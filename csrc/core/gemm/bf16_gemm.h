@@ -70,6 +70,10 @@ void PackVnniFromRows(const float* x, int64_t ld, int64_t rows, int64_t depth, i
 void ExpPackVnni(const float* x, int64_t ld, int64_t rows, int64_t depth, int64_t n, const float* sub, float* sums,
                  uint16_t* dst);
 
+// PackVnniFromRows for bf16 rows: B(p, j) = x[p * ld + j] for p < rows, 0 for rows <= p <
+// depth (even), j < n (a multiple of 16); exact.
+void PackVnniFromBf16Rows(const uint16_t* x, int64_t ld, int64_t rows, int64_t depth, int64_t n, uint16_t* dst);
+
 // Depth steps p and p + 1 (p even) of VNNI panels of `depth` for j < n: B(p, j) = a[j] and
 // B(p + 1, j) = b[j], bf16; a null row is zeros. Lets a caller fill panels in its own order.
 void PackVnniPair(const uint16_t* a, const uint16_t* b, int64_t p, int64_t depth, int64_t n, uint16_t* dst);

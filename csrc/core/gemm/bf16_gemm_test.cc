@@ -144,6 +144,17 @@ TEST(Bf16PackTest, Bf16RowPackAndTransposeAreExact) {
       ASSERT_EQ(VnniAt(packed, 64, p, j), p < 37 ? BFloat16ToFloat(x[p * 50 + j]) : 0.0f) << p << " " << j;
     }
   }
+  // The same panels packed panel by panel: two at a time, then a single last one (n = 48, 16).
+  for (int64_t n : {48, 32, 16}) {
+    std::vector<uint16_t> rows_packed(64 * n, 0xffff);
+    PackVnniFromBf16Rows(x.data(), 50, 37, 64, n, rows_packed.data());
+    for (int64_t p = 0; p < 64; ++p) {
+      for (int64_t j = 0; j < n; ++j) {
+        ASSERT_EQ(VnniAt(rows_packed, 64, p, j), p < 37 ? BFloat16ToFloat(x[p * 50 + j]) : 0.0f)
+            << n << " " << p << " " << j;
+      }
+    }
+  }
   // A panel from 16 contiguous rows, depth 40: two 8-pair register blocks and a 4-pair tail.
   const std::vector<uint16_t> block = SmallBf16(16 * 40, 5);
   std::vector<uint16_t> panel(40 * 16, 0xffff);

