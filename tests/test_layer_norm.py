@@ -117,6 +117,31 @@ def test_rows_are_batch_invariant(dtype):
             assert torch.equal(part, full[rows])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outputs_past_the_caches_equal_the_cached_path(dtype):
+    """From 32 MiB on, y (forward) and dx, dresidual (backward) are written with non-temporal
+    stores: every row's bits equal those of a small call (cached stores), rows misaligned for
+    the streaming stores included (an odd column count), and a fused residual's outputs too."""
+    g = torch.Generator().manual_seed(11)
+    for cols in (4096, 4099):
+        rows = (32 << 20) // (cols * dtype.itemsize) + 3  # just past the threshold
+        x = torch.randn(rows, cols, generator=g).to(dtype).requires_grad_(True)
+        res = torch.randn(rows, cols, generator=g).to(dtype).requires_grad_(True)
+        scale = torch.randn(cols, generator=g)
+        dy, dh = (torch.randn(rows, cols, generator=g).to(dtype) for _ in range(2))
+        y, h = ln.kernel(x, scale, residual=res)
+        dx, dres = torch.autograd.grad((y, h), (x, res), (dy, dh))
+        picked = [0, 1, rows // 2, rows - 1]
+        xs, rs = x.detach()[picked].requires_grad_(True), res.detach()[picked].requires_grad_(True)
+        ys, hs = ln.kernel(xs, scale, residual=rs)
+        dxs, drs = torch.autograd.grad((ys, hs), (xs, rs), (dy[picked], dh[picked]))
+        for big, small in ((y, ys), (h, hs), (dx, dxs), (dres, drs)):
+            assert torch.equal(big[picked], small), (cols, dtype)
+        # And against the float64 oracle, on the picked rows.
+        want = oracle(x.detach()[picked], scale, residual=res.detach()[picked])[0]
+        _close(y[picked], want, TOLERANCE[dtype], f"y, {cols} columns")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dscale_is_bitwise_equal_across_thread_counts(dtype):
     g = torch.Generator().manual_seed(5)

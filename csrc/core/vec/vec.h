@@ -17,6 +17,9 @@
 //   LoadWiden(p) (kLanes float, BFloat16Bits, Float16Bits or double elements as fp32 lanes),
 //   LoadWidenPartial(p, n), StoreNarrow(p, v) (fp32 lanes to float, BFloat16Bits or Float16Bits,
 //     round to nearest even, NaN kept NaN: the bits of StoreFromFloat)
+//   StreamNarrow(p, v) (StoreNarrow's bits with a non-temporal store, past the caches: for
+//     outputs too large to be read back from them; p aligned to kLanes elements), and
+//     StreamFence() (orders the streamed stores before later ones: before a task ends)
 //   Transpose8x8 / Transpose4x8(src, ld_src, dst, ld_dst): dst[l][j] = src[j][l], l < 8
 //   PrefetchToL2(p) (a hint; none on the scalar tier)
 //

@@ -63,6 +63,10 @@ std::vector<Acc> Widen(const StridedView<1>& v, int64_t cols, double add) {
 template <typename Acc>
 const Acc* DataOrNull(const std::vector<Acc>& v) { return v.empty() ? nullptr : v.data(); }
 
+// Outputs from this size on are written past the caches (a last-level cache's worth of a
+// 2-core slice of a server part is ~16-32 MiB).
+constexpr int64_t kStreamOutputBytes = int64_t{32} << 20;
+
 // Calls block(b, first_row, last_row) for every block of block_rows rows, in parallel.
 template <typename Block>
 void ForEachBlock(int64_t rows, const LayerNormConfig& config, const Block& block) {
@@ -150,15 +154,19 @@ Status LayerNorm(const LayerNormParams& p, const LayerNormConfig& config) {
   if (!status.ok()) return status;
   const LayerNormKernels& kernels = GetLayerNormKernels(isa);
   const std::vector<float> w = Widen<float>(p.scale, cols, p.scale_offset), b = Widen<float>(p.offset, cols, 0.0);
+  // y past the caches when it cannot stay in them anyway (then a store need not first read the
+  // line it overwrites: a third of the forward's memory traffic).
+  const bool stream_y = p.rows * cols * esize >= kStreamOutputBytes;
   ForEachBlock(p.rows, config, [&](int64_t, int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       kernels.forward_row(p.x.dtype, RowPointer(p.x, p.rank, r),
                           p.residual.data ? RowPointer(p.residual, p.rank, r) : nullptr,
                           p.h ? static_cast<char*>(p.h) + r * cols * esize : nullptr,
-                          static_cast<char*>(p.y) + r * cols * esize, cols, DataOrNull(w), DataOrNull(b),
+                          static_cast<char*>(p.y) + r * cols * esize, stream_y, cols, DataOrNull(w), DataOrNull(b),
                           static_cast<float>(p.epsilon), p.subtract_mean, static_cast<float*>(p.mean) + r,
                           static_cast<float*>(p.rstd) + r);
     }
+    if (stream_y) kernels.stream_fence();
   });
   return Status::Ok();
 }
@@ -202,6 +210,7 @@ Status LayerNormBackward(const LayerNormParams& p, const LayerNormConfig& config
     if (!status.ok()) return status;
     const LayerNormKernels& kernels = GetLayerNormKernels(isa);
     const std::vector<float> w = Widen<float>(p.scale, cols, p.scale_offset);
+    const bool stream_dx = rows * cols * esize >= kStreamOutputBytes;
     ForEachBlock(rows, config, [&](int64_t blk, int64_t first, int64_t last) {
       float* ds = want_dscale ? reinterpret_cast<float*>(partial(blk, 0)) : nullptr;
       float* db = want_doffset ? reinterpret_cast<float*>(partial(blk, 1)) : nullptr;
@@ -211,10 +220,11 @@ Status LayerNormBackward(const LayerNormParams& p, const LayerNormConfig& config
         kernels.backward_row(p.x.dtype, RowPointer(p.x, p.rank, r), RowPointer(p.dy, p.rank, r),
                              p.dh.data ? RowPointer(p.dh, p.rank, r) : nullptr,
                              static_cast<char*>(p.y) + r * cols * esize,
-                             p.h ? static_cast<char*>(p.h) + r * cols * esize : nullptr, cols, DataOrNull(w),
-                             static_cast<const float*>(p.mean)[r], static_cast<const float*>(p.rstd)[r],
-                             p.subtract_mean, ds, db);
+                             p.h ? static_cast<char*>(p.h) + r * cols * esize : nullptr, stream_dx, cols,
+                             DataOrNull(w), static_cast<const float*>(p.mean)[r],
+                             static_cast<const float*>(p.rstd)[r], p.subtract_mean, ds, db);
       }
+      if (stream_dx) kernels.stream_fence();
     });
   }
   // Each column adds the blocks' partials in block order: bits independent of the threads.

@@ -78,14 +78,18 @@ struct LayerNormKernels {
   // h = x + residual (when residual is not null: stored to h in `dtype`, and the stored h is
   // what is normalised), then y; *mean, *rstd get the row's statistics (mean 0 when
   // !subtract_mean).
-  void (*forward_row)(DType dtype, const void* x, const void* residual, void* h, void* y, int64_t cols,
+  // stream_y: y written with non-temporal stores where aligned (outputs too large for the
+  // caches: no read of y's lines before they are written); stream_fence() then ends the task.
+  void (*forward_row)(DType dtype, const void* x, const void* residual, void* h, void* y, bool stream_y, int64_t cols,
                       const float* w, const float* b, float epsilon, bool subtract_mean, float* mean, float* rstd);
   // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) + dh, g = dy * w, xhat = (x - mean) * rstd
   // (mean(g) dropped when !subtract_mean); stored to dx and, when not null, dresidual. Adds
   // dy * xhat to dscale_acc and dy to doffset_acc (fp32, either may be null).
+  // stream_dx: dx and dresidual as y with stream_y.
   void (*backward_row)(DType dtype, const void* x, const void* dy, const void* dh, void* dx, void* dresidual,
-                       int64_t cols, const float* w, float mean, float rstd, bool subtract_mean, float* dscale_acc,
+                       bool stream_dx, int64_t cols, const float* w, float mean, float rstd, bool subtract_mean, float* dscale_acc,
                        float* doffset_acc);
+  void (*stream_fence)();
 };
 
 const LayerNormKernels& GetLayerNormKernels(Isa isa);

@@ -35,8 +35,12 @@ inline float RowSum(int64_t cols, const VecFn& f, const TailFn& ft) {
 inline Vec LoadOr(const float* p, int64_t j, float absent) { return p ? Load(p + j) : Set1(absent); }
 inline float AtOr(const float* p, int64_t j, float absent) { return p ? p[j] : absent; }
 
+// Whether p is aligned for StreamNarrow.
 template <typename T>
-void ForwardRow(const T* x, const T* residual, T* h, T* y, int64_t cols, const float* w, const float* b,
+inline bool Aligned(const T* p) { return reinterpret_cast<uintptr_t>(p) % (kLanes * sizeof(T)) == 0; }
+
+template <typename T>
+void ForwardRow(const T* x, const T* residual, T* h, T* y, bool stream_y, int64_t cols, const float* w, const float* b,
                 float epsilon, bool subtract_mean, float* mean_out, float* rstd_out) {
   if (residual != nullptr) {  // h = x + residual in fp32, stored in T; the stored h is normalised
     int64_t j = 0;
@@ -58,9 +62,16 @@ void ForwardRow(const T* x, const T* residual, T* h, T* y, int64_t cols, const f
   // y = (x - mean) * rstd * w + b.
   const Vec r = Set1(rstd);
   int64_t j = 0;
-  for (; j + kLanes <= cols; j += kLanes) {
-    const Vec xhat = Mul(Sub(LoadWiden(x + j), m), r);
-    StoreNarrow(y + j, Fma(xhat, LoadOr(w, j, 1.0f), LoadOr(b, j, 0.0f)));
+  auto store_vectors = [&](auto store) {
+    for (; j + kLanes <= cols; j += kLanes) {
+      const Vec xhat = Mul(Sub(LoadWiden(x + j), m), r);
+      store(y + j, Fma(xhat, LoadOr(w, j, 1.0f), LoadOr(b, j, 0.0f)));
+    }
+  };
+  if (stream_y && Aligned(y)) {
+    store_vectors([](T* p, Vec v) { StreamNarrow(p, v); });
+  } else {
+    store_vectors([](T* p, Vec v) { StoreNarrow(p, v); });
   }
   for (; j < cols; ++j) {
     const float xhat = (LoadAsFloat(x + j) - mean) * rstd;
@@ -71,7 +82,7 @@ void ForwardRow(const T* x, const T* residual, T* h, T* y, int64_t cols, const f
 }
 
 template <typename T>
-void BackwardRow(const T* x, const T* dy, const T* dh, T* dx, T* dresidual, int64_t cols, const float* w, float mean,
+void BackwardRow(const T* x, const T* dy, const T* dh, T* dx, T* dresidual, bool stream_dx, int64_t cols, const float* w, float mean,
                  float rstd, bool subtract_mean, float* dscale_acc, float* doffset_acc) {
   const Vec m = Set1(mean), r = Set1(rstd);
   // Pass 1: the row's sums of g and g * xhat, and the block's dscale/doffset partials.
@@ -106,14 +117,22 @@ void BackwardRow(const T* x, const T* dy, const T* dh, T* dx, T* dresidual, int6
   const float mgx = sum_gx * inv_cols;
   // Pass 2: dx = rstd * (g - mg - xhat * mgx) + dh.
   const Vec vmg = Set1(mg), vmgx = Set1(mgx);
-  for (j = 0; j + kLanes <= cols; j += kLanes) {
-    const Vec d = LoadWiden(dy + j);
-    const Vec xhat = Mul(Sub(LoadWiden(x + j), m), r);
-    const Vec g = w ? Mul(d, Load(w + j)) : d;
-    Vec out = Mul(r, Sub(Sub(g, vmg), Mul(xhat, vmgx)));
-    if (dh) out = Add(out, LoadWiden(dh + j));
-    StoreNarrow(dx + j, out);
-    if (dresidual) StoreNarrow(dresidual + j, out);
+  j = 0;
+  auto store_vectors = [&](auto store) {
+    for (; j + kLanes <= cols; j += kLanes) {
+      const Vec d = LoadWiden(dy + j);
+      const Vec xhat = Mul(Sub(LoadWiden(x + j), m), r);
+      const Vec g = w ? Mul(d, Load(w + j)) : d;
+      Vec out = Mul(r, Sub(Sub(g, vmg), Mul(xhat, vmgx)));
+      if (dh) out = Add(out, LoadWiden(dh + j));
+      store(dx + j, out);
+      if (dresidual) store(dresidual + j, out);
+    }
+  };
+  if (stream_dx && Aligned(dx) && (dresidual == nullptr || Aligned(dresidual))) {
+    store_vectors([](T* p, Vec v) { StreamNarrow(p, v); });
+  } else {
+    store_vectors([](T* p, Vec v) { StoreNarrow(p, v); });
   }
   for (; j < cols; ++j) {
     const float d = LoadAsFloat(dy + j);
@@ -126,26 +145,27 @@ void BackwardRow(const T* x, const T* dy, const T* dh, T* dx, T* dresidual, int6
   }
 }
 
-void ForwardRowAny(DType dtype, const void* x, const void* residual, void* h, void* y, int64_t cols, const float* w,
+void ForwardRowAny(DType dtype, const void* x, const void* residual, void* h, void* y, bool stream_y, int64_t cols,
+                   const float* w,
                    const float* b, float epsilon, bool subtract_mean, float* mean, float* rstd) {
   DispatchDType(dtype, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (!std::is_same_v<T, double>) {
       ForwardRow(static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<T*>(h), static_cast<T*>(y),
-                 cols, w, b, epsilon, subtract_mean, mean, rstd);
+                 stream_y, cols, w, b, epsilon, subtract_mean, mean, rstd);
     }
     return 0;
   });
 }
 
 void BackwardRowAny(DType dtype, const void* x, const void* dy, const void* dh, void* dx, void* dresidual,
-                    int64_t cols, const float* w, float mean, float rstd, bool subtract_mean, float* dscale_acc,
+                    bool stream_dx, int64_t cols, const float* w, float mean, float rstd, bool subtract_mean, float* dscale_acc,
                     float* doffset_acc) {
   DispatchDType(dtype, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (!std::is_same_v<T, double>) {
       BackwardRow(static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<const T*>(dh), static_cast<T*>(dx),
-                  static_cast<T*>(dresidual), cols, w, mean, rstd, subtract_mean, dscale_acc, doffset_acc);
+                  static_cast<T*>(dresidual), stream_dx, cols, w, mean, rstd, subtract_mean, dscale_acc, doffset_acc);
     }
     return 0;
   });
@@ -154,7 +174,7 @@ void BackwardRowAny(DType dtype, const void* x, const void* dy, const void* dh, 
 }  // namespace layer_norm
 
 const LayerNormKernels& LayerNormKernelTable() {
-  static const LayerNormKernels kernels{&layer_norm::ForwardRowAny, &layer_norm::BackwardRowAny};
+  static const LayerNormKernels kernels{&layer_norm::ForwardRowAny, &layer_norm::BackwardRowAny, &StreamFence};
   return kernels;
 }
 

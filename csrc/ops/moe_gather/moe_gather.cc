@@ -51,18 +51,7 @@ namespace {
 
 // The active tier's row sum (the avx512bf16 and amx tiers run avx512's); null for float64.
 GatherSumRowsFn SumRowsOf(Isa isa, DType dtype) {
-  switch (isa) {
-#ifdef TOKAMAX_HAVE_AVX512
-    case Isa::kAvx512:
-    case Isa::kAvx512Bf16:
-    case Isa::kAmx: return tier_avx512::GatherSumRows(dtype);
-#endif
-#ifdef TOKAMAX_HAVE_AVX2
-    case Isa::kAvx2: return tier_avx2::GatherSumRows(dtype);
-#endif
-    default: break;
-  }
-  return tier_scalar::GatherSumRows(dtype);
+  TOKAMAX_RETURN_BY_VECTOR_WIDTH(isa, GatherSumRows(dtype));
 }
 
 // A run of row sums on the tier's SumRows, each call prefetching the next one's rows: item i's
