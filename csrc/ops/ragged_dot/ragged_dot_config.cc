@@ -140,7 +140,13 @@ RaggedDotConfig HeuristicOfShape(const RaggedDotShape& shape, DType dtype, const
   // bf16 where a bf16 engine runs it (AMX: 64 measured 2% slower, 128 Zipf groups).
   const bool bf16_engine = dtype == DType::kBFloat16 && cpu.avx512bf16;
   const int64_t in_place_depth = cpu.vendor == "intel" && !bf16_engine ? 64 : 128;
-  if (in_place) config.block_k = rows <= 2 * kGemmMr ? 32 : in_place_depth;
+  // Tiny groups on vdpbf16ps (a bf16 engine without AMX) want deep slices instead: each slice
+  // packs its B rows into VNNI panels first, and 32-deep slices pay that setup 8 times as often
+  // (amd_zen4_avx512bf16, M=64 K=2048 N=1024, 16 groups of 4, bf16 forward: 5.4-5.5 -> 4.9-5.0
+  // ms at 256, found by autotuning and re-timed; issue 22).
+  const bool dot_engine = bf16_engine && !(cpu.amx_tile && cpu.amx_bf16);
+  const int64_t tiny_depth = dot_engine ? 256 : 32;
+  if (in_place) config.block_k = rows <= 2 * kGemmMr ? tiny_depth : in_place_depth;
   // task_m: a whole group per task when that already gives kTargetTasks tasks, else halve.
   // E.g. M=8192, G=8, N=1024: 1024-row groups x 2 column blocks = 16 tasks of 1152 rows.
   const int64_t column_blocks = CeilDiv(std::max<int64_t>(shape.n, 1), config.block_n);
