@@ -15,8 +15,8 @@
 //   ReduceAdd/ReduceMax(v) (one fixed order), SumLanes(v) (lane i = the sum of v[i]'s lanes,
 //     for kLanes vectors)
 //   LoadWiden(p) (kLanes float, BFloat16Bits, Float16Bits or double elements as fp32 lanes),
-//   LoadWidenPartial(p, n), StoreNarrow(p, v) (fp32 lanes to float, BFloat16Bits or Float16Bits,
-//     round to nearest even, NaN kept NaN: the bits of StoreFromFloat)
+//   LoadWidenPartial(p, n), StoreNarrow(p, v) (fp32 lanes to float, BFloat16Bits, Float16Bits or
+//     double, round to nearest even, NaN kept NaN: the bits of StoreFromFloat), StoreNarrowPartial(p, v, n)
 //   StreamNarrow(p, v) (StoreNarrow's bits with a non-temporal store, past the caches: for
 //     outputs too large to be read back from them; p aligned to kLanes elements), and
 //     StreamFence() (orders the streamed stores before later ones: before a task ends)
@@ -65,6 +65,12 @@ namespace TOKAMAX_TIER_NAMESPACE {
 // Shared by every tier: defined on the primitives above.
 inline Vec Zero() { return Set1(0.0f); }
 
+#if !defined(TOKAMAX_VEC_OWN_WIDENING)
+// Tiers of at most 32-byte vectors widen double rows and tails through a stack array. The
+// AVX-512 tier defines its own without one: GCC 12's AddressSanitizer places a function's frame
+// on its fake stack (detect_stack_use_after_return) 32-byte aligned, while the vectorizer may
+// raise a 64-byte local array to 64 and store to it with vmovdqa64, which then faults.
+
 // double rows (the reference dtype, never on a hot path) widen lane by lane.
 inline Vec LoadWiden(const double* p) {
   float lanes[kLanes];
@@ -85,6 +91,15 @@ inline void StoreNarrow(double* p, Vec v) {
   Store(lanes, v);
   for (int64_t l = 0; l < kLanes; ++l) p[l] = lanes[l];
 }
+
+// StoreNarrow's bits for the first `count` (< kLanes) lanes; memory past them is untouched.
+template <typename T>
+inline void StoreNarrowPartial(T* p, Vec v, int64_t count) {
+  float lanes[kLanes];
+  Store(lanes, v);
+  for (int64_t l = 0; l < count; ++l) StoreFromFloat(p + l, lanes[l]);
+}
+#endif
 
 }  // namespace TOKAMAX_TIER_NAMESPACE
 }  // namespace tokamax

@@ -123,6 +123,40 @@ TEST(TOKAMAX_VEC_SUITE, WideningIsExact) {
   }
 }
 
+// Tails: every count of every element type, with guards on both sides of the destination.
+template <typename T>
+void ExpectPartialWideningAndNarrowingMatchScalar() {
+  const std::vector<float> values = EdgeValues();
+  std::vector<T> src(kLanes);
+  for (int64_t l = 0; l < kLanes; ++l) StoreFromFloat(&src[l], values[(7 * l + 3) % values.size()]);
+  for (int64_t n = 0; n < kLanes; ++n) {
+    float got[kLanes];
+    Store(got, LoadWidenPartial(src.data(), n));
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float want = l < n ? LoadAsFloat(&src[l]) : 0.0f;
+      EXPECT_TRUE(got[l] == want || (std::isnan(got[l]) && std::isnan(want))) << "n " << n << " lane " << l;
+    }
+    std::vector<T> dst(kLanes + 2), guard(kLanes + 2);
+    for (auto* buffer : {&dst, &guard}) {
+      for (int64_t l = 0; l < kLanes + 2; ++l) StoreFromFloat(&(*buffer)[l], -7.0f);
+    }
+    StoreNarrowPartial(dst.data() + 1, Load(values.data()), n);
+    for (int64_t l = 0; l < kLanes + 2; ++l) {
+      T want = guard[l];
+      if (l >= 1 && l <= n) StoreFromFloat(&want, values[l - 1]);
+      EXPECT_EQ(std::memcmp(&dst[l], &want, sizeof(T)), 0) << "n " << n << " element " << l;
+    }
+  }
+}
+
+TEST(TOKAMAX_VEC_SUITE, PartialWideningAndNarrowingMatchTheScalarConversions) {
+  TOKAMAX_SKIP_UNSUPPORTED();
+  ExpectPartialWideningAndNarrowingMatchScalar<float>();
+  ExpectPartialWideningAndNarrowingMatchScalar<BFloat16Bits>();
+  ExpectPartialWideningAndNarrowingMatchScalar<Float16Bits>();
+  ExpectPartialWideningAndNarrowingMatchScalar<double>();
+}
+
 TEST(TOKAMAX_VEC_SUITE, ExpIsAccurateAndFlushesBelowTheCutoff) {
   TOKAMAX_SKIP_UNSUPPORTED();
   std::vector<float> x;

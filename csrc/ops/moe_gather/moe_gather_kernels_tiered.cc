@@ -8,8 +8,6 @@
 // tokamax-tiers: scalar avx2 avx512
 #include "csrc/core/vec/vec.h"
 
-#include <cstring>
-
 #include "csrc/ops/moe_gather/moe_gather.h"
 
 namespace tokamax {
@@ -39,9 +37,7 @@ void SumRows(const void* const* rows_p, const float* w, int64_t count, const voi
   }
   if (h < width) {
     const int64_t tail = width - h;
-    T lanes[kLanes];
-    StoreNarrow(lanes, sum([tail](const T* p) { return LoadWidenPartial(p, tail); }, h));
-    std::memcpy(out + h, lanes, static_cast<size_t>(tail) * sizeof(T));
+    StoreNarrowPartial(out + h, sum([tail](const T* p) { return LoadWidenPartial(p, tail); }, h), tail);
   }
 }
 
