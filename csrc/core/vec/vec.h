@@ -20,6 +20,7 @@
 //   StreamNarrow(p, v) (StoreNarrow's bits with a non-temporal store, past the caches: for
 //     outputs too large to be read back from them; p aligned to kLanes elements), and
 //     StreamFence() (orders the streamed stores before later ones: before a task ends)
+//   StreamAligned(p), WithNarrowStore(stream, body) (body's loop with StreamNarrow or StoreNarrow)
 //   Transpose8x8 / Transpose4x8(src, ld_src, dst, ld_dst): dst[l][j] = src[j][l], l < 8
 //   PrefetchToL2(p) (a hint; none on the scalar tier)
 //
@@ -64,6 +65,21 @@ namespace TOKAMAX_TIER_NAMESPACE {
 
 // Shared by every tier: defined on the primitives above.
 inline Vec Zero() { return Set1(0.0f); }
+
+// Whether p is aligned for StreamNarrow.
+template <typename T>
+inline bool StreamAligned(const T* p) { return reinterpret_cast<uintptr_t>(p) % (kLanes * sizeof(T)) == 0; }
+
+// body(store) with store(p, v) = StreamNarrow (stream: outputs too large to be read back from the
+// caches, every pointer StreamAligned) or StoreNarrow: one loop body, two instantiations.
+template <typename Body>
+inline void WithNarrowStore(bool stream, const Body& body) {
+  if (stream) {
+    body([](auto* p, Vec v) { StreamNarrow(p, v); });
+  } else {
+    body([](auto* p, Vec v) { StoreNarrow(p, v); });
+  }
+}
 
 #if !defined(TOKAMAX_VEC_OWN_WIDENING)
 // Tiers of at most 32-byte vectors widen double rows and tails through a stack array. The

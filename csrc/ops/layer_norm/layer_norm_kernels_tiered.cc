@@ -35,10 +35,6 @@ inline float RowSum(int64_t cols, const VecFn& f, const TailFn& ft) {
 inline Vec LoadOr(const float* p, int64_t j, float absent) { return p ? Load(p + j) : Set1(absent); }
 inline float AtOr(const float* p, int64_t j, float absent) { return p ? p[j] : absent; }
 
-// Whether p is aligned for StreamNarrow.
-template <typename T>
-inline bool Aligned(const T* p) { return reinterpret_cast<uintptr_t>(p) % (kLanes * sizeof(T)) == 0; }
-
 template <typename T>
 void ForwardRow(const T* x, const T* residual, T* h, T* y, bool stream_y, int64_t cols, const float* w, const float* b,
                 float epsilon, bool subtract_mean, float* mean_out, float* rstd_out) {
@@ -68,11 +64,7 @@ void ForwardRow(const T* x, const T* residual, T* h, T* y, bool stream_y, int64_
       store(y + j, Fma(xhat, LoadOr(w, j, 1.0f), LoadOr(b, j, 0.0f)));
     }
   };
-  if (stream_y && Aligned(y)) {
-    store_vectors([](T* p, Vec v) { StreamNarrow(p, v); });
-  } else {
-    store_vectors([](T* p, Vec v) { StoreNarrow(p, v); });
-  }
+  WithNarrowStore(stream_y && StreamAligned(y), store_vectors);
   for (; j < cols; ++j) {
     const float xhat = (LoadAsFloat(x + j) - mean) * rstd;
     StoreFromFloat(y + j, std::fma(xhat, AtOr(w, j, 1.0f), AtOr(b, j, 0.0f)));
@@ -129,11 +121,7 @@ void BackwardRow(const T* x, const T* dy, const T* dh, T* dx, T* dresidual, bool
       if (dresidual) store(dresidual + j, out);
     }
   };
-  if (stream_dx && Aligned(dx) && (dresidual == nullptr || Aligned(dresidual))) {
-    store_vectors([](T* p, Vec v) { StreamNarrow(p, v); });
-  } else {
-    store_vectors([](T* p, Vec v) { StoreNarrow(p, v); });
-  }
+  WithNarrowStore(stream_dx && StreamAligned(dx) && (dresidual == nullptr || StreamAligned(dresidual)), store_vectors);
   for (; j < cols; ++j) {
     const float d = LoadAsFloat(dy + j);
     const float xhat = (LoadAsFloat(x + j) - mean) * rstd;

@@ -49,9 +49,18 @@ TOKAMAX_DECLARE_IN_TIERS(GatherSumRowsFn GatherSumRows(DType dtype);)
 
 namespace {
 
-// The active tier's row sum (the avx512bf16 and amx tiers run avx512's); null for float64.
 GatherSumRowsFn SumRowsOf(Isa isa, DType dtype) {
   TOKAMAX_RETURN_BY_VECTOR_WIDTH(isa, GatherSumRows(dtype));
+}
+
+// The active tier's row sum (the avx512bf16 and amx tiers run avx512's) into *sum_rows; null for
+// float64. An error only for an unknown TOKAMAX_CPU_ISA, before anything is written.
+Status ActiveSumRows(DType dtype, GatherSumRowsFn* sum_rows) {
+  Isa isa;
+  const Status status = ActiveIsa(&isa);
+  if (!status.ok()) return status;
+  *sum_rows = SumRowsOf(isa, dtype);
+  return Status::Ok();
 }
 
 // A run of row sums on the tier's SumRows, each call prefetching the next one's rows: item i's
@@ -190,10 +199,9 @@ Status RaggedGatherReduce(const RaggedGatherReduceParams& p) {
     });
     return Status::Ok();
   }
-  Isa isa;
-  const Status isa_status = ActiveIsa(&isa);
+  GatherSumRowsFn sum_rows = nullptr;
+  const Status isa_status = ActiveSumRows(p.x.dtype, &sum_rows);
   if (!isa_status.ok()) return isa_status;
-  const GatherSumRowsFn sum_rows = SumRowsOf(isa, p.x.dtype);
   if (sum_rows != nullptr && p.x.strides[1] == 1 && p.out.strides[1] == 1) {
     ParallelFor(0, tokens, Grain(g * hidden), [&](int64_t begin, int64_t end) {
       auto collect = [&](int64_t t, const void** rows, float* weights) {
@@ -249,10 +257,9 @@ Status RaggedGatherReduceBackward(const RaggedGatherReduceParams& p) {
       n, rows + 1, [&](int64_t j) { return Selected(p, j) ? p.indices[j] : rows; }, &order[0], nullptr,
       &starts[0]);
   const int64_t per_row = std::max<int64_t>(1, n / std::max<int64_t>(1, rows)) * hidden;
-  Isa isa;
-  const Status isa_status = ActiveIsa(&isa);
+  GatherSumRowsFn sum_rows = nullptr;
+  const Status isa_status = ActiveSumRows(p.x.dtype, &sum_rows);
   if (!isa_status.ok()) return isa_status;
-  const GatherSumRowsFn sum_rows = SumRowsOf(isa, p.x.dtype);
   const bool tiered_dx = sum_rows != nullptr && p.dout.strides[1] == 1 && p.dx.strides[1] == 1;
   if (tiered_dx) {
     int64_t max_rows = 0;  // the most j gathering one row
