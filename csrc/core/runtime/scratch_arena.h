@@ -8,9 +8,9 @@
 // packer that needs scratch) gets the next arena of the thread's stack, so the inner buffers never
 // alias the outer ones.
 //
-// Bound: one limit, LargeBufferCacheLimit() (TOKAMAX_BUFFER_CACHE_MIB, default 256 MiB), covers
-// everything cached: arenas first (small, reused by every call), the large-buffer cache
-// (large_buffer.h) gets what they leave. A lease that ends while all arenas together hold more
+// Bound: one limit, LargeBufferCacheLimit() (TOKAMAX_BUFFER_CACHE_MIB; default 1/8 of memory,
+// clamped to [256 MiB, 4 GiB]), covers everything cached: arenas first (small, reused by every
+// call), the large-buffer cache (large_buffer.h) gets what they leave. A lease that ends while all arenas together hold more
 // than the limit frees its arena. ReleaseCachedWorkingMemory frees every idle arena and unmaps the
 // large-buffer cache; an arena leased at that moment frees itself when its lease ends (memory in
 // use is never freed). A thread's arenas are freed when the thread exits.
