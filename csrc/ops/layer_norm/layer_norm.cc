@@ -159,12 +159,17 @@ Status LayerNorm(const LayerNormParams& p, const LayerNormConfig& config) {
   const bool stream_y = p.rows * cols * esize >= kStreamOutputBytes;
   ForEachBlock(p.rows, config, [&](int64_t, int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
+      LayerNormNextRow next;
+      if (r + 1 < last) {
+        next.inputs[0] = RowPointer(p.x, p.rank, r + 1);
+        if (p.residual.data) next.inputs[1] = RowPointer(p.residual, p.rank, r + 1);
+      }
       kernels.forward_row(p.x.dtype, RowPointer(p.x, p.rank, r),
                           p.residual.data ? RowPointer(p.residual, p.rank, r) : nullptr,
                           p.h ? static_cast<char*>(p.h) + r * cols * esize : nullptr,
                           static_cast<char*>(p.y) + r * cols * esize, stream_y, cols, DataOrNull(w), DataOrNull(b),
                           static_cast<float>(p.epsilon), p.subtract_mean, static_cast<float*>(p.mean) + r,
-                          static_cast<float*>(p.rstd) + r);
+                          static_cast<float*>(p.rstd) + r, next);
     }
     if (stream_y) kernels.stream_fence();
   });
@@ -217,12 +222,18 @@ Status LayerNormBackward(const LayerNormParams& p, const LayerNormConfig& config
       if (ds) std::fill(ds, ds + cols, 0.0f);
       if (db) std::fill(db, db + cols, 0.0f);
       for (int64_t r = first; r < last; ++r) {
+        LayerNormNextRow next;
+        if (r + 1 < last) {
+          next.inputs[0] = RowPointer(p.x, p.rank, r + 1);
+          next.inputs[1] = RowPointer(p.dy, p.rank, r + 1);
+          if (p.dh.data) next.inputs[2] = RowPointer(p.dh, p.rank, r + 1);
+        }
         kernels.backward_row(p.x.dtype, RowPointer(p.x, p.rank, r), RowPointer(p.dy, p.rank, r),
                              p.dh.data ? RowPointer(p.dh, p.rank, r) : nullptr,
                              static_cast<char*>(p.y) + r * cols * esize,
                              p.h ? static_cast<char*>(p.h) + r * cols * esize : nullptr, stream_dx, cols,
                              DataOrNull(w), static_cast<const float*>(p.mean)[r],
-                             static_cast<const float*>(p.rstd)[r], p.subtract_mean, ds, db);
+                             static_cast<const float*>(p.rstd)[r], p.subtract_mean, ds, db, next);
       }
       if (stream_dx) kernels.stream_fence();
     });

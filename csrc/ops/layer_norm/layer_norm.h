@@ -72,6 +72,11 @@ LayerNormConfig LayerNormHeuristicConfig(const LayerNormShape& call, DType dtype
 std::vector<LayerNormConfig> LayerNormConfigSpace(const LayerNormShape& call, DType dtype, const CpuInfo& cpu,
                                                   LayerNormProduct product);
 
+// The next row's inputs (forward: x and residual; backward: x, dy and dh), each null where absent.
+struct LayerNormNextRow {
+  const void* inputs[3] = {nullptr, nullptr, nullptr};
+};
+
 // The per-row loops of one ISA tier (layer_norm_kernels_tiered.cc), for fp32/bf16/fp16 rows.
 // w and b are the row's fp32 scale (scale + scale_offset) and offset, null for 1 and 0.
 struct LayerNormKernels {
@@ -80,15 +85,18 @@ struct LayerNormKernels {
   // !subtract_mean).
   // stream_y: y written with non-temporal stores where aligned (outputs too large for the
   // caches: no read of y's lines before they are written); stream_fence() then ends the task.
+  // next: the next row's inputs, asked for into L2 during this row's last pass (a long row's
+  // passes over L1 leave the hardware prefetchers nothing to follow).
   void (*forward_row)(DType dtype, const void* x, const void* residual, void* h, void* y, bool stream_y, int64_t cols,
-                      const float* w, const float* b, float epsilon, bool subtract_mean, float* mean, float* rstd);
+                      const float* w, const float* b, float epsilon, bool subtract_mean, float* mean, float* rstd,
+                      const LayerNormNextRow& next);
   // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) + dh, g = dy * w, xhat = (x - mean) * rstd
   // (mean(g) dropped when !subtract_mean); stored to dx and, when not null, dresidual. Adds
   // dy * xhat to dscale_acc and dy to doffset_acc (fp32, either may be null).
   // stream_dx: dx and dresidual as y with stream_y.
   void (*backward_row)(DType dtype, const void* x, const void* dy, const void* dh, void* dx, void* dresidual,
                        bool stream_dx, int64_t cols, const float* w, float mean, float rstd, bool subtract_mean, float* dscale_acc,
-                       float* doffset_acc);
+                       float* doffset_acc, const LayerNormNextRow& next);
   void (*stream_fence)();
 };
 

@@ -32,12 +32,21 @@ inline float RowSum(int64_t cols, const VecFn& f, const TailFn& ft) {
   return total;
 }
 
+// At the first column of each cache line: the next row's inputs at that column into L2.
+template <typename T>
+inline void PrefetchNext(const LayerNormNextRow& next, int64_t j) {
+  if (j % (64 / static_cast<int64_t>(sizeof(T))) != 0) return;
+  for (const void* row : next.inputs) {
+    if (row != nullptr) PrefetchToL2(static_cast<const T*>(row) + j);
+  }
+}
+
 inline Vec LoadOr(const float* p, int64_t j, float absent) { return p ? Load(p + j) : Set1(absent); }
 inline float AtOr(const float* p, int64_t j, float absent) { return p ? p[j] : absent; }
 
 template <typename T>
 void ForwardRow(const T* x, const T* residual, T* h, T* y, bool stream_y, int64_t cols, const float* w, const float* b,
-                float epsilon, bool subtract_mean, float* mean_out, float* rstd_out) {
+                float epsilon, bool subtract_mean, float* mean_out, float* rstd_out, const LayerNormNextRow& next) {
   if (residual != nullptr) {  // h = x + residual in fp32, stored in T; the stored h is normalised
     int64_t j = 0;
     for (; j + kLanes <= cols; j += kLanes) StoreNarrow(h + j, Add(LoadWiden(x + j), LoadWiden(residual + j)));
@@ -60,6 +69,7 @@ void ForwardRow(const T* x, const T* residual, T* h, T* y, bool stream_y, int64_
   int64_t j = 0;
   auto store_vectors = [&](auto store) {
     for (; j + kLanes <= cols; j += kLanes) {
+      PrefetchNext<T>(next, j);
       const Vec xhat = Mul(Sub(LoadWiden(x + j), m), r);
       store(y + j, Fma(xhat, LoadOr(w, j, 1.0f), LoadOr(b, j, 0.0f)));
     }
@@ -75,7 +85,7 @@ void ForwardRow(const T* x, const T* residual, T* h, T* y, bool stream_y, int64_
 
 template <typename T>
 void BackwardRow(const T* x, const T* dy, const T* dh, T* dx, T* dresidual, bool stream_dx, int64_t cols, const float* w, float mean,
-                 float rstd, bool subtract_mean, float* dscale_acc, float* doffset_acc) {
+                 float rstd, bool subtract_mean, float* dscale_acc, float* doffset_acc, const LayerNormNextRow& next) {
   const Vec m = Set1(mean), r = Set1(rstd);
   // Pass 1: the row's sums of g and g * xhat, and the block's dscale/doffset partials.
   Vec sg[kUnroll] = {Zero(), Zero(), Zero(), Zero()};
@@ -112,6 +122,7 @@ void BackwardRow(const T* x, const T* dy, const T* dh, T* dx, T* dresidual, bool
   j = 0;
   auto store_vectors = [&](auto store) {
     for (; j + kLanes <= cols; j += kLanes) {
+      PrefetchNext<T>(next, j);
       const Vec d = LoadWiden(dy + j);
       const Vec xhat = Mul(Sub(LoadWiden(x + j), m), r);
       const Vec g = w ? Mul(d, Load(w + j)) : d;
@@ -134,13 +145,13 @@ void BackwardRow(const T* x, const T* dy, const T* dh, T* dx, T* dresidual, bool
 }
 
 void ForwardRowAny(DType dtype, const void* x, const void* residual, void* h, void* y, bool stream_y, int64_t cols,
-                   const float* w,
-                   const float* b, float epsilon, bool subtract_mean, float* mean, float* rstd) {
+                   const float* w, const float* b, float epsilon, bool subtract_mean, float* mean, float* rstd,
+                   const LayerNormNextRow& next) {
   DispatchDType(dtype, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (!std::is_same_v<T, double>) {
       ForwardRow(static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<T*>(h), static_cast<T*>(y),
-                 stream_y, cols, w, b, epsilon, subtract_mean, mean, rstd);
+                 stream_y, cols, w, b, epsilon, subtract_mean, mean, rstd, next);
     }
     return 0;
   });
@@ -148,12 +159,13 @@ void ForwardRowAny(DType dtype, const void* x, const void* residual, void* h, vo
 
 void BackwardRowAny(DType dtype, const void* x, const void* dy, const void* dh, void* dx, void* dresidual,
                     bool stream_dx, int64_t cols, const float* w, float mean, float rstd, bool subtract_mean, float* dscale_acc,
-                    float* doffset_acc) {
+                    float* doffset_acc, const LayerNormNextRow& next) {
   DispatchDType(dtype, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (!std::is_same_v<T, double>) {
       BackwardRow(static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<const T*>(dh), static_cast<T*>(dx),
-                  static_cast<T*>(dresidual), stream_dx, cols, w, mean, rstd, subtract_mean, dscale_acc, doffset_acc);
+                  static_cast<T*>(dresidual), stream_dx, cols, w, mean, rstd, subtract_mean, dscale_acc, doffset_acc,
+                  next);
     }
     return 0;
   });
