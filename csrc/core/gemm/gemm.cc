@@ -13,43 +13,55 @@
 
 namespace tokamax {
 
-TOKAMAX_DECLARE_IN_TIERS(const GemmKernels& GemmKernelTable();)
+TOKAMAX_DECLARE_IN_TIERS(const GemmKernels& GemmKernelTable(FmaBroadcastForm form);)
 
 namespace {
 
-// The avx512 table with the tier's bf16 product engine.
-[[maybe_unused]] GemmKernels WithBf16Products(Isa isa) {
-  GemmKernels table = tier_avx512::GemmKernelTable();
+// The avx512 table of `form` with the tier's bf16 product engine.
+[[maybe_unused]] GemmKernels WithBf16Products(Isa isa, FmaBroadcastForm form) {
+  GemmKernels table = tier_avx512::GemmKernelTable(form);
   table.bf16 = GetBf16Products(isa);
   return table;
 }
 
 }  // namespace
 
-// A tier this build lacks (IsaBuilt) gets the scalar table.
+FmaBroadcastForm PreferredFmaBroadcastForm(const CpuInfo& cpu) {
+  return cpu.vendor == "intel" ? FmaBroadcastForm::kRegister : FmaBroadcastForm::kEmbedded;
+}
+
 const GemmKernels& GetGemmKernels(Isa isa) {
+  static const FmaBroadcastForm preferred = PreferredFmaBroadcastForm(GetCpuInfo());
+  return GetGemmKernels(isa, preferred);
+}
+
+// A tier this build lacks (IsaBuilt) gets the scalar table.
+const GemmKernels& GetGemmKernels(Isa isa, FmaBroadcastForm form) {
+  const bool shared = form == FmaBroadcastForm::kRegister;
   switch (isa) {
 #ifdef TOKAMAX_HAVE_AMX
     case Isa::kAmx: {
-      static const GemmKernels amx = WithBf16Products(Isa::kAmx);
-      return amx;
+      static const GemmKernels embedded = WithBf16Products(Isa::kAmx, FmaBroadcastForm::kEmbedded);
+      static const GemmKernels registers = WithBf16Products(Isa::kAmx, FmaBroadcastForm::kRegister);
+      return shared ? registers : embedded;
     }
 #endif
 #ifdef TOKAMAX_HAVE_AVX512BF16
     case Isa::kAvx512Bf16: {
-      static const GemmKernels dot = WithBf16Products(Isa::kAvx512Bf16);
-      return dot;
+      static const GemmKernels embedded = WithBf16Products(Isa::kAvx512Bf16, FmaBroadcastForm::kEmbedded);
+      static const GemmKernels registers = WithBf16Products(Isa::kAvx512Bf16, FmaBroadcastForm::kRegister);
+      return shared ? registers : embedded;
     }
 #endif
 #ifdef TOKAMAX_HAVE_AVX512
-    case Isa::kAvx512: return tier_avx512::GemmKernelTable();
+    case Isa::kAvx512: return tier_avx512::GemmKernelTable(form);
 #endif
 #ifdef TOKAMAX_HAVE_AVX2
-    case Isa::kAvx2: return tier_avx2::GemmKernelTable();
+    case Isa::kAvx2: return tier_avx2::GemmKernelTable(form);
 #endif
     default: break;
   }
-  return tier_scalar::GemmKernelTable();
+  return tier_scalar::GemmKernelTable(form);
 }
 
 namespace {
@@ -59,20 +71,20 @@ namespace {
 enum GemmScratchSlot : int { kAPack, kBPack, kBTail, kAcc, kABf16, kBVnni, kRowsBf16, kVnniBlock };
 
 // Runs the micro-kernel on B read in place at element (k0, col), of B's own dtype.
-void MicroInPlace(const GemmKernels& kernels, const ConstMatrix& b, int64_t depth, const float* a,
+void MicroInPlace(const GemmKernels& kernels, const ConstMatrix& b, int64_t rows, int64_t depth, const float* a,
                   int64_t k0, int64_t col, float* c, int64_t ldc, bool accumulate) {
   const int64_t offset = k0 * b.row_stride + col;
   switch (b.dtype) {
     case DType::kFloat32:
-      kernels.micro_f32(depth, a, kernels.mr, static_cast<const float*>(b.data) + offset, b.row_stride, c, ldc,
+      kernels.micro_f32(rows, depth, a, kernels.mr, static_cast<const float*>(b.data) + offset, b.row_stride, c, ldc,
                         accumulate);
       return;
     case DType::kBFloat16:
-      kernels.micro_bf16(depth, a, kernels.mr, static_cast<const uint16_t*>(b.data) + offset, b.row_stride, c,
+      kernels.micro_bf16(rows, depth, a, kernels.mr, static_cast<const uint16_t*>(b.data) + offset, b.row_stride, c,
                          ldc, accumulate);
       return;
     case DType::kFloat16:
-      kernels.micro_f16(depth, a, kernels.mr, static_cast<const uint16_t*>(b.data) + offset, b.row_stride, c,
+      kernels.micro_f16(rows, depth, a, kernels.mr, static_cast<const uint16_t*>(b.data) + offset, b.row_stride, c,
                         ldc, accumulate);
       return;
     case DType::kFloat64:  // never here: GemmRegion sends float64 to GemmRegionFloat64
@@ -385,17 +397,18 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
           const int64_t panel = jr / nr;
           for (int64_t ir = 0; ir < block_rows; ir += mr) {
             const float* a_panel = a_pack + ir * depth;
+            const int64_t tile_rows = std::min(mr, block_rows - ir);
             float* c_tile = acc_block + ir * cols_padded + jr;
             if (!in_place_b) {
-              kernels.micro_f32(depth, a_panel, mr, b_pack + panel * depth * nr, nr, c_tile,
+              kernels.micro_f32(tile_rows, depth, a_panel, mr, b_pack + panel * depth * nr, nr, c_tile,
                                 cols_padded, accumulate);
             } else if (panel < full_panels && gate == nullptr) {
-              MicroInPlace(kernels, b, depth, a_panel, pc, jc + jr, c_tile, cols_padded, accumulate);
+              MicroInPlace(kernels, b, tile_rows, depth, a_panel, pc, jc + jr, c_tile, cols_padded, accumulate);
             } else if (panel < full_panels) {
               const GatedPanel source = GatedPanelOf(b, *gate, jc, out_cols, nr, panel);
-              MicroInPlace(kernels, *source.b, depth, a_panel, pc, source.col, c_tile, cols_padded, accumulate);
+              MicroInPlace(kernels, *source.b, tile_rows, depth, a_panel, pc, source.col, c_tile, cols_padded, accumulate);
             } else {
-              kernels.micro_f32(depth, a_panel, mr, b_tail + (panel - full_panels) * depth * nr, nr, c_tile,
+              kernels.micro_f32(tile_rows, depth, a_panel, mr, b_tail + (panel - full_panels) * depth * nr, nr, c_tile,
                                 cols_padded, accumulate);
             }
           }

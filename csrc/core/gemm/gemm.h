@@ -14,6 +14,7 @@
 
 #include "csrc/core/gemm/bf16_gemm.h"
 #include "csrc/core/base/dtype.h"
+#include "csrc/core/runtime/cpu_info.h"
 #include "csrc/core/runtime/isa.h"
 
 namespace tokamax {
@@ -127,14 +128,18 @@ struct GemmKernels {
   // dst panel q (q*depth*nr floats): B(k0 + p, col0 + q*nr + j) at [p][j].
   void (*pack_b)(const ConstMatrix& b, int64_t k0, int64_t depth, int64_t col0, int64_t cols,
                  float* dst);
-  // c[i][j] (+)= sum_p a[p*lda + i] * b[p*ldb + j] over an mr x nr tile; b's type varies.
-  // lda is mr for a packed panel; a larger lda reads an fp32 matrix whose mr rows at each
-  // depth step are adjacent (a transposed tile) in place, without packing it.
-  void (*micro_f32)(int64_t depth, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
-                    int64_t ldc, bool accumulate);
-  void (*micro_bf16)(int64_t depth, const float* a, int64_t lda, const uint16_t* b, int64_t ldb,
+  // c[i][j] (+)= sum_p a[p*lda + i] * b[p*ldb + j] for i < rows (1 <= rows <= mr), j < nr;
+  // b's type varies. lda is mr for a packed panel; a larger lda reads an fp32 matrix whose mr
+  // rows at each depth step are adjacent (a transposed tile) in place, without packing it. A
+  // short tile (a region's last rows) runs a tier's narrower kernel where it has one (avx512:
+  // 4 and 8 rows), which may also write c's rows up to its own height (products of A's
+  // padding); each element's sum is accumulated in the same order whatever the height, so
+  // every row's bits are those of the full tile.
+  void (*micro_f32)(int64_t rows, int64_t depth, const float* a, int64_t lda, const float* b, int64_t ldb,
+                    float* c, int64_t ldc, bool accumulate);
+  void (*micro_bf16)(int64_t rows, int64_t depth, const float* a, int64_t lda, const uint16_t* b, int64_t ldb,
                      float* c, int64_t ldc, bool accumulate);
-  void (*micro_f16)(int64_t depth, const float* a, int64_t lda, const uint16_t* b, int64_t ldb,
+  void (*micro_f16)(int64_t rows, int64_t depth, const float* a, int64_t lda, const uint16_t* b, int64_t ldb,
                     float* c, int64_t ldc, bool accumulate);
   // C(row(row0 + i), col0 + j) = x in C's dtype for x = acc[i * ld + j] through `epilogue`
   // (GemmEpilogue: a default one stores acc as it is); acc is rewritten in place. With
@@ -147,7 +152,22 @@ struct GemmKernels {
   Bf16Products bf16;
 };
 
+// How the avx512 micro-kernel hands each A value to its row's two FMAs; the bits are the same
+// either way (the other tiers have one form). kEmbedded folds the broadcast into each FMA's
+// memory operand ({1to16}): 24 fused uops but 26 loads per depth step. kRegister loads each row's
+// value once (vbroadcastss) into a register both FMAs read: 14 loads, 38 uops. Intel (Xeon model
+// 167, Sapphire Rapids class) runs kRegister faster: 12 x 32 tile with L1-resident panels 163 ->
+// 174 GFLOP/s a core (peak 207), ragged_dot fp32 64 groups with B read in place 25 -> 20 ms;
+// Zen 4 ran kEmbedded faster (103-109 against 93-95 GFLOP/s a core in L1: its front end limits
+// the longer form).
+enum class FmaBroadcastForm { kEmbedded, kRegister };
+
+// kRegister on Intel CPUs, kEmbedded elsewhere.
+FmaBroadcastForm PreferredFmaBroadcastForm(const CpuInfo& cpu);
+
+// The tier's kernels in the running CPU's preferred form, or in `form`.
 const GemmKernels& GetGemmKernels(Isa isa);
+const GemmKernels& GetGemmKernels(Isa isa, FmaBroadcastForm form);
 
 // Writes C[m0:m1, n0:n1] = A[m0:m1, :] · B[:, n0:n1] (A is M x K, B is K x N, C is M x N);
 // K == 0 writes zeros. Every result goes through `epilogue` (GemmEpilogue; the default stores

@@ -2,7 +2,7 @@
 // gemm_kernels.inc and one register-blocked micro-kernel, written once over the vector layer
 // (csrc/core/vec/vec.h) and compiled per tier. Tiles: scalar 6 x 16 (one float per "vector"),
 // avx2 6 x 16 (12 ymm accumulators, 2 B vectors, 1 broadcast of 16 registers), avx512 12 x 32
-// (24 zmm accumulators of 32).
+// (24 zmm accumulators of 32). avx512 has both FmaBroadcastForms (gemm.h).
 // tokamax-tiers: scalar avx2 avx512
 #include "csrc/core/vec/vec.h"
 
@@ -37,15 +37,22 @@ constexpr bool kPrefetchAccumulatedTile = true;
 #include "csrc/core/gemm/gemm_kernels.inc"
 
 #if !defined(TOKAMAX_TIER_SCALAR)
-// kMr x kNr tile, two vectors per row. Accumulators are named variables, not arrays: with
-// arrays GCC spilled accumulators to the stack (measured 81% of the FMA peak against 97%).
-template <typename T>
+// kRows x kNr tile (kRows <= kMr), two vectors per row. Accumulators are named variables, not
+// arrays: with arrays GCC spilled accumulators to the stack (measured 81% of the FMA peak
+// against 97%). Rows past kRows are compiled out.
+template <int64_t kRows, FmaBroadcastForm kForm, typename T>
 void MicroKernel(int64_t depth, const float* a, int64_t lda, const T* b, int64_t ldb, float* c, int64_t ldc,
                  bool accumulate) {
 #define TOKAMAX_DECLARE(I) Vec c##I##a = Zero(), c##I##b = Zero();
 #define TOKAMAX_FMA(I)                             \
-  c##I##a = FmaBroadcast(ap + (I), b0, c##I##a); \
-  c##I##b = FmaBroadcast(ap + (I), b1, c##I##b);
+  if constexpr ((I) < kRows && kForm == FmaBroadcastForm::kRegister) { \
+    const Vec a##I = Set1(ap[I]);                                       \
+    c##I##a = Fma(a##I, b0, c##I##a);                                   \
+    c##I##b = Fma(a##I, b1, c##I##b);                                   \
+  } else if constexpr ((I) < kRows) {                                   \
+    c##I##a = FmaBroadcast(ap + (I), b0, c##I##a);                      \
+    c##I##b = FmaBroadcast(ap + (I), b1, c##I##b);                      \
+  }
 #define TOKAMAX_STEP(P)                          \
   {                                              \
     const Vec b0 = LoadWiden(b + (P) * ldb);     \
@@ -54,7 +61,7 @@ void MicroKernel(int64_t depth, const float* a, int64_t lda, const T* b, int64_t
     TOKAMAX_GEMM_ROWS(TOKAMAX_FMA)               \
   }
 #define TOKAMAX_STORE(I)                                     \
-  {                                                          \
+  if constexpr ((I) < kRows) {                               \
     float* dst = c + (I) * ldc;                              \
     if (accumulate) {                                        \
       c##I##a = Add(c##I##a, Load(dst));                     \
@@ -65,7 +72,7 @@ void MicroKernel(int64_t depth, const float* a, int64_t lda, const T* b, int64_t
   }
   TOKAMAX_GEMM_ROWS(TOKAMAX_DECLARE)
   if (kPrefetchAccumulatedTile && accumulate) {
-    for (int64_t i = 0; i < kMr; ++i) {
+    for (int64_t i = 0; i < kRows; ++i) {
       _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(c + i * ldc + kLanes), _MM_HINT_T0);
     }
@@ -97,17 +104,38 @@ void MicroKernel(int64_t depth, const float* a, int64_t lda, const T* b, int64_t
 #undef TOKAMAX_DECLARE
 }
 #undef TOKAMAX_GEMM_ROWS
+
+// GemmKernels' micro-kernel: a short tile (a region's last rows) on a narrower kernel where the
+// tier has one. avx512: a 5-row group as a 12-row tile spends 7/12 of its FMAs on padding; 4
+// and 8 rows keep 8 and 16 accumulators, enough to fill both FMA pipes. avx2's 6-row tile has
+// no narrower one that would (3 rows: 6 accumulators).
+template <FmaBroadcastForm kForm, typename T>
+void MicroTile(int64_t rows, int64_t depth, const float* a, int64_t lda, const T* b, int64_t ldb, float* c,
+               int64_t ldc, bool accumulate) {
+  if constexpr (kMr == 12) {
+    if (rows <= 4) return MicroKernel<4, kForm>(depth, a, lda, b, ldb, c, ldc, accumulate);
+    if (rows <= 8) return MicroKernel<8, kForm>(depth, a, lda, b, ldb, c, ldc, accumulate);
+  }
+  MicroKernel<kMr, kForm>(depth, a, lda, b, ldb, c, ldc, accumulate);
+}
 #endif
 
 }  // namespace gemm
 
-const GemmKernels& GemmKernelTable() {
+const GemmKernels& GemmKernelTable(FmaBroadcastForm form) {
   using namespace gemm;
 #if defined(TOKAMAX_TIER_SCALAR)
   static const GemmKernels kernels = TOKAMAX_GEMM_KERNELS(MicroScalar);
+#elif defined(TOKAMAX_TIER_AVX2)
+  // One form: the 6 x 16 tile's 12 embedded broadcasts already reach the 256-bit FMA peak (Intel
+  // Xeon model 167, L1-resident panels: 111 GFLOP/s a core in either form).
+  static const GemmKernels kernels = TOKAMAX_GEMM_KERNELS(MicroTile<FmaBroadcastForm::kEmbedded>);
 #else
-  static const GemmKernels kernels = TOKAMAX_GEMM_KERNELS(MicroKernel);
+  static const GemmKernels embedded = TOKAMAX_GEMM_KERNELS(MicroTile<FmaBroadcastForm::kEmbedded>);
+  static const GemmKernels shared = TOKAMAX_GEMM_KERNELS(MicroTile<FmaBroadcastForm::kRegister>);
+  const GemmKernels& kernels = form == FmaBroadcastForm::kRegister ? shared : embedded;
 #endif
+  (void)form;
   return kernels;
 }
 

@@ -110,8 +110,8 @@ TEST_P(GemmMicroTest, ReadsAInPlaceWithLda) {
   }
   const float* bp = static_cast<const float*>(b.data());
   std::vector<float> want(mr * nr, 0.5f), got(mr * nr, 0.5f);
-  kernels.micro_f32(depth, packed.data(), mr, bp, nr, want.data(), nr, /*accumulate=*/true);
-  kernels.micro_f32(depth, a_in_place, lda, bp, nr, got.data(), nr, /*accumulate=*/true);
+  kernels.micro_f32(mr, depth, packed.data(), mr, bp, nr, want.data(), nr, /*accumulate=*/true);
+  kernels.micro_f32(mr, depth, a_in_place, lda, bp, nr, got.data(), nr, /*accumulate=*/true);
   EXPECT_EQ(got, want);
   double max_error = 0.0;
   for (int64_t i = 0; i < mr; ++i) {
@@ -122,6 +122,49 @@ TEST_P(GemmMicroTest, ReadsAInPlaceWithLda) {
     }
   }
   EXPECT_LT(max_error, 1e-4);
+}
+
+// A short tile (rows < mr: a region's last rows, on a narrower kernel where the tier has one)
+// and both FmaBroadcastForms give each row the bits of the full tile in the embedded form, for
+// fp32, bf16 and fp16 B, packed (ldb = nr) and in place (a wider ldb), fresh and accumulated.
+TEST_P(GemmMicroTest, ShortTilesAndBothBroadcastFormsKeepTheBits) {
+  const Isa isa = GetParam();
+  if (!IsaSupported(isa, GetCpuInfo())) GTEST_SKIP() << IsaName(isa) << " not supported here";
+  const GemmKernels& base = GetGemmKernels(isa, FmaBroadcastForm::kEmbedded);
+  const int64_t mr = base.mr, nr = base.nr, depth = 45;
+  Buffer a(DType::kFloat32, depth * mr);
+  testing::FillRandom(a, depth * mr, 11);
+  const float* ap = static_cast<const float*>(a.data());
+  for (DType b_dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (int64_t ldb : {nr, nr + 48}) {
+      Buffer b(b_dtype, depth * ldb);
+      testing::FillRandom(b, depth * ldb, 12);
+      auto run = [&](const GemmKernels& k, int64_t rows, bool accumulate) {
+        std::vector<float> c(mr * nr, 0.25f);
+        for (int64_t i = 0; i < mr * nr; ++i) c[i] += 0.01f * static_cast<float>(i % 7);
+        if (b_dtype == DType::kFloat32) {
+          k.micro_f32(rows, depth, ap, mr, static_cast<const float*>(b.data()), ldb, c.data(), nr, accumulate);
+        } else if (b_dtype == DType::kBFloat16) {
+          k.micro_bf16(rows, depth, ap, mr, static_cast<const uint16_t*>(b.data()), ldb, c.data(), nr, accumulate);
+        } else {
+          k.micro_f16(rows, depth, ap, mr, static_cast<const uint16_t*>(b.data()), ldb, c.data(), nr, accumulate);
+        }
+        return c;
+      };
+      for (bool accumulate : {false, true}) {
+        const std::vector<float> want = run(base, mr, accumulate);
+        for (FmaBroadcastForm form : {FmaBroadcastForm::kEmbedded, FmaBroadcastForm::kRegister}) {
+          for (int64_t rows = 1; rows <= mr; ++rows) {
+            const std::vector<float> got = run(GetGemmKernels(isa, form), rows, accumulate);
+            for (int64_t i = 0; i < rows * nr; ++i) {
+              ASSERT_EQ(got[i], want[i]) << DTypeName(b_dtype) << " ldb " << ldb << " rows " << rows << " form "
+                                         << static_cast<int>(form) << " accumulate " << accumulate << " at " << i;
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 // pack_a of a row-major fp32 A (the register-transpose path) and of its transposed view (the

@@ -43,7 +43,7 @@ inline void TileGemm(const GemmKernels& kernels, int64_t depth, const Panels& a,
   const int64_t mr = kernels.mr, nr = kernels.nr;
   for (int64_t qi = 0; qi < col_panels; ++qi) {
     for (int64_t pi = 0; pi < row_panels; ++pi) {
-      kernels.micro_f32(depth, a.data + pi * a.panel_stride, a.step, b.data + qi * b.panel_stride, b.step,
+      kernels.micro_f32(mr, depth, a.data + pi * a.panel_stride, a.step, b.data + qi * b.panel_stride, b.step,
                         c + pi * mr * ldc + qi * nr, ldc, accumulate);
     }
   }
