@@ -181,8 +181,10 @@ TEST_P(LinearCrossEntropyTest, TwoThreadsGiveTheSerialBits) {
       bits[run].insert(bits[run].end(), static_cast<const uint8_t*>(data),
                        static_cast<const uint8_t*>(data) + kB * sizeof(float));
     }
-    bits[run].insert(bits[run].end(), pr.dx.bytes.begin(), pr.dx.bytes.end());
-    bits[run].insert(bits[run].end(), pr.dw.bytes.begin(), pr.dw.bytes.end());
+    for (const testing::Buffer* grad : {&pr.dx, &pr.dw}) {
+      const uint8_t* first = static_cast<const uint8_t*>(grad->data());
+      bits[run].insert(bits[run].end(), first, first + grad->count * DTypeSize(grad->dtype));
+    }
   }
   EXPECT_EQ(bits[0], bits[1]);
 }
