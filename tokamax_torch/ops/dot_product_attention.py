@@ -90,8 +90,9 @@ class _DotProductAttention(_op.Op):
         "2.4-3.3x forward and 1.95-2.2x forward+backward (at the 2x target); decode 4-54x SDPA at 23-27 GB/s, "
         "66-77% of a plain read of the same caches in runs M-R (the 70% target is not reliably met; bound by the "
         "access pattern of one kv head's rows, not the arithmetic). On CPUs with AMX (`amx` tier) bf16 prefill runs "
-        "on the tile unit (Intel VM of earlier stops: 1.2-1.7x SDPA forward+backward, 0.8-1.0x forward). Per-call "
-        "working memory above 1 MiB is mapped in huge pages and cached for the next call (`empty_cache()`).")
+        "on the tile unit (Intel Xeon model 167, 2026-12-06: 1.81-2.15x SDPA forward+backward, 1.17-1.31x "
+        "forward; fp32 1.30-1.42x). Per-call working memory above 1 MiB is mapped in huge pages and cached for "
+        "the next call (`empty_cache()`).")
     cli_shape = "B,T,S,N,K,H[,Hv]"
 
     def __call__(

@@ -111,8 +111,9 @@ class _RaggedDot(_op.Op):
         "Forward and both gradients (higher derivatives too). CPU kernel with `scalar`, `avx2` and `avx512` ISA "
         "tiers; bf16 products run on the AVX512-BF16 dot instruction on the `avx512bf16` tier (Zen 4: 0.9-1.2x the "
         "fastest PyTorch bf16 path forward, 0.8-1.5x forward+backward) and on the AMX tile unit on the `amx` tier "
-        "(Intel Xeon model 167, `intel_model167_amx`, 2 threads: bf16 0.97-1.56x the fastest PyTorch path, "
-        "fp32 0.78-1.43x; docs/benchmarks.md, issue 22). `torch.compile` (fullgraph, dynamic shapes) and "
+        "(Intel Xeon model 167, `intel_model167_amx`, 2 threads, 2026-12-06: bf16 1.31-1.99x the fastest "
+        "PyTorch path, fp32 1.06-1.94x, every case of every tier at or above 1.0x but one noisy avx2 row; "
+        "docs/benchmarks.md, issue 22). `torch.compile` (fullgraph, dynamic shapes) and "
         "`torch.export`. Configs through `get_configs` and `config_space`.")
     cli_shape = "M,K,N,G"
 
