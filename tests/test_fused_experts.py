@@ -153,6 +153,33 @@ def test_kernel_reads_transposed_weights_in_place_and_returns_their_layout():
     assert w1.grad.stride() == w1.stride() and w2.grad.stride() == w2.stride()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_weights_read_in_place_or_packed_in_either_layout_give_the_same_bits(dtype):
+    """pack_b_min_rows picks per task between multiplying the weight's columns in place and
+    packing them; Hugging Face's transposed views are packed (their columns are strided). The
+    sums run in block_k's order on every path, so outputs and gradients keep their bits (bf16
+    is left out: its few-row tasks leave the dot engine for fp32 widening, by design)."""
+    # 8 experts with 1 to ~30 rows each, H = 300 past one 256-deep slice.
+    args, kwargs = problem(tokens=60, hidden=300, inter=40, experts=8, k=2, dtype=dtype, grad=False)
+    x, w1, w2, tw, ids = args
+    ids = torch.tensor([[t % 8, (t * t + 1) % 7] for t in range(60)])
+    ids[ids[:, 0] == ids[:, 1], 1] = 7
+    results = {}
+    for layout, (a, b) in {"views": (w1, w2), "contiguous": (w1.contiguous(), w2.contiguous())}.items():
+        for min_rows in (0, 12, 1 << 30):
+            config = fe.Config(task_rows=36, block_k=256, block_n=64, pack_b_min_rows=min_rows)
+            leaves = [t.detach().clone().requires_grad_(True) for t in (x, a, b, tw)]
+            out = fe.kernel(leaves[0], leaves[1], leaves[2], leaves[3], ids, configs=(config, config))
+            out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(dtype))
+            results[layout, min_rows] = [out.detach()] + [t.grad for t in leaves]
+    first = results["views", 0]
+    torch.testing.assert_close(first[0].double(), oracle(x, w1, w2, tw, ids), rtol=TOLERANCE[dtype],
+                               atol=TOLERANCE[dtype])
+    for key, tensors in results.items():
+        for name, got, want in zip(("out", "dx", "dw1", "dw2", "dtopk_weights"), tensors, first):
+            assert torch.equal(got, want), f"{key}: {name} differs from views with every task packed"
+
+
 def test_duplicate_ids_in_a_row_add_up():
     args, _ = problem(tokens=3, hidden=8, inter=4, experts=3, k=2, grad=False)
     x, w1, w2, tw, ids = args
@@ -221,9 +248,9 @@ CONTRACT = OpContract(
     ],
     bad_inputs=_bad_inputs,
     invalid_configs=[
-        ("expected 3 values", ([96], None)),
-        ("config: fused_experts config: task_rows must be", ([0, 256, 512], None)),
-        ("bwd_config: fused_experts config: block_k", (None, [96, 0, 512])),
+        ("expected 4 values", ([96], None)),
+        ("config: fused_experts config: task_rows must be", ([0, 256, 512, 96], None)),
+        ("bwd_config: fused_experts config: block_k", (None, [96, 0, 512, 96])),
     ],
     # K = H and I past several slices of every block_k in the space: the configs change the bits.
     config_samples={"forward": Sample("deep", _sample(tokens=20, hidden=600, inter=300, experts=3)),

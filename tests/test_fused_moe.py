@@ -159,9 +159,9 @@ CONTRACT = OpContract(
     ],
     bad_inputs=_bad_inputs,
     invalid_configs=[
-        ("expected 3 values", ([96], None)),
-        ("config: fused_moe config: task_rows must be", ([0, 256, 512], None)),
-        ("bwd_config: fused_moe config: block_n", (None, [96, 256, 8])),
+        ("expected 4 values", ([96], None)),
+        ("config: fused_moe config: task_rows must be", ([0, 256, 512, 96], None)),
+        ("bwd_config: fused_moe config: block_n", (None, [96, 256, 8, 96])),
     ],
     config_samples={"forward": Sample("deep", _sample(tokens=20, hidden=600, inter=300, experts=3)),
                     "backward": Sample("deep", _sample(tokens=20, hidden=600, inter=300, experts=3))},

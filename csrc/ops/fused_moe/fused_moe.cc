@@ -114,11 +114,21 @@ void RunTasks(const std::vector<Item>& tasks, const Body& body) {
   });
 }
 
-GemmBlocking BlockingOf(const FusedExpertsConfig& config) {
+// The blocking of a product with B packed (the weight gradients': their rows are H or I).
+GemmBlocking PackedBlockingOf(const FusedExpertsConfig& config) {
   GemmBlocking blocking;
   blocking.block_m = 144;  // ragged_dot's measured default (rows of A packed at once)
   blocking.block_k = config.block_k;
   blocking.block_n = config.block_n;
+  return blocking;
+}
+
+// The blocking of a product over `rows` of an expert's rows: below pack_b_min_rows the GEMM
+// reads the weight's columns in place where they are contiguous (packing pays only once enough
+// rows reuse each element). The sums' order is block_k's either way: the same bits.
+GemmBlocking BlockingOf(const FusedExpertsConfig& config, int64_t rows) {
+  GemmBlocking blocking = PackedBlockingOf(config);
+  blocking.pack_b = rows >= config.pack_b_min_rows;
   return blocking;
 }
 
@@ -142,57 +152,6 @@ ConstMatrix W2T(const FusedExpertsParams& p, int64_t e) {
 template <typename A>
 MutableMatrix AccMatrix(A* data, int64_t rows, int64_t cols) {
   return {data, std::is_same_v<A, double> ? DType::kFloat64 : DType::kFloat32, rows, cols, cols, 1};
-}
-
-// dst[j][i] = src[i][j] for src [rows, cols] contiguous and dst any strides, in 32 x 32 tiles.
-template <typename A>
-void TransposeInto(const A* src, int64_t rows, int64_t cols, A* dst, int64_t dst_row_stride, int64_t dst_col_stride) {
-  constexpr int64_t kTile = 32;
-  for (int64_t j0 = 0; j0 < cols; j0 += kTile) {
-    for (int64_t i0 = 0; i0 < rows; i0 += kTile) {
-      const int64_t i1 = std::min(i0 + kTile, rows), j1 = std::min(j0 + kTile, cols);
-      for (int64_t j = j0; j < j1; ++j) {
-        for (int64_t i = i0; i < i1; ++i) dst[j * dst_row_stride + i * dst_col_stride] = src[i * cols + j];
-      }
-    }
-  }
-}
-
-bool StridedColumns(const ConstMatrix& b) { return b.col_stride != 1 && b.row_stride == 1; }
-
-// C[:, n0:n1] = A · B[:, n0:n1] for one task's rows, B an expert weight read in place (any
-// strides), C fp32 (float64 for float64). The GEMM's B packer reads a weight whose rows are
-// contiguous and columns strided (a transposed view, Hugging Face's layout) along strided
-// memory: 2-4x slower in fp32 (measured on the benchmark's shapes). There the product runs as
-// Cᵀ = Bᵀ · Aᵀ, the weight as the A operand, whose packer reads its contiguous rows, and the
-// task's rows as B, packed once (one column block); Cᵀ lands in contiguous scratch (storing it
-// through C's strides cost as much as the bf16 products: perf, T=4096 H=1024 I=2816 E=16) and is
-// transposed into C in tiles.
-void WeightProduct(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c,
-                   int64_t n0, int64_t n1, const GemmBlocking& blocking) {
-  if (!StridedColumns(b)) {
-    GemmRegion(kernels, a, b, c, 0, a.rows, n0, n1, blocking);
-    return;
-  }
-  const int64_t cols = n1 - n0;
-  const ConstMatrix bt{static_cast<const char*>(b.data) + n0 * b.col_stride * DTypeSize(b.dtype), b.dtype, cols,
-                       b.rows, b.col_stride, b.row_stride};
-  const ConstMatrix at{a.data, a.dtype, a.cols, a.rows, a.col_stride, a.row_stride};
-  GemmBlocking whole = blocking;
-  whole.block_n = std::max(blocking.block_n, RoundUp(at.cols, kGemmNr));
-  ScratchLease lease;
-  auto run = [&](auto* tmp) {
-    using A = std::remove_pointer_t<decltype(tmp)>;
-    tmp = lease.Get<A>(0, cols * at.cols);
-    const MutableMatrix ct{tmp, c.dtype, cols, at.cols, at.cols, 1};
-    GemmRegion(kernels, bt, at, ct, 0, cols, 0, at.cols, whole);
-    TransposeInto(tmp, cols, at.cols, static_cast<A*>(c.data) + n0 * c.col_stride, c.row_stride, c.col_stride);
-  };
-  if (c.dtype == DType::kFloat64) {
-    run(static_cast<double*>(nullptr));
-  } else {
-    run(static_cast<float*>(nullptr));
-  }
 }
 
 // C[:, n0:n1] = A · B[:, n0:n1] for a weight gradient C laid out as its weight. A gradient of a
@@ -283,41 +242,6 @@ void GatedProjection(const GemmKernels& kernels, const FusedExpertsParams& p, co
     gate.up_out.data = pre_rows + inter + task.col0;
     gate.gate_out.cols = gate.up_out.cols = width;
   }
-  // The fp32 micro-kernels pack B along its rows, so a transposed weight view (contiguous along
-  // H, Hugging Face's layout) is packed one strided element at a time, once per task. With few
-  // rows per task that packing dominates (perf, T=512 H=2048 I=1408 E=64 fp32, ~48 rows: the
-  // packer took more samples than the products, forward 318 -> 400 ms; copying the columns into
-  // rows first cost more, 560 ms, one more pass over 1.5 GB of weights). There the two products
-  // run as WeightProduct's Cᵀ = Bᵀ·Aᵀ (the weight's rows read by the A packer) and the GLU
-  // after them (335 ms); with many rows the gated product wins (T=4096 H=1024 I=2816 E=16, ~512
-  // rows: 520 ms gated against 590 ms). The bf16 engine's packer reads such columns as vectors.
-  constexpr int64_t kGatedStridedRows = 192;  // between the two measured cases
-  const bool bf16_engine = static_cast<bool>(kernels.bf16) && dtype == DType::kBFloat16;
-  if (StridedColumns(b) && !bf16_engine && !std::is_same_v<T, double> && rows < kGatedStridedRows) {
-    const int64_t hidden = b.rows;
-    T* x_rows = lease.Get<T>(1, rows * hidden);
-    GatherRows(p.x, gather.a_row_map, rows, x_rows);
-    const ConstMatrix xm{x_rows, dtype, rows, hidden, hidden, 1};
-    A* g = lease.Get<A>(2, rows * width);
-    A* u = lease.Get<A>(3, rows * width);
-    WeightProduct(kernels, xm, b, AccMatrix(g, rows, width), 0, width, blocking);
-    WeightProduct(kernels, xm, gate.up, AccMatrix(u, rows, width), 0, width, blocking);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t i = 0; i < width; ++i) {
-        A gv = g[r * width + i], uv = u[r * width + i];
-        if (epilogue.bias != nullptr) {
-          gv += epilogue.bias[i];
-          uv += gate.up_bias[i];
-        }
-        if (pre_rows != nullptr) {
-          Store(pre_rows + r * 2 * inter + task.col0 + i, gv);
-          Store(pre_rows + r * 2 * inter + inter + task.col0 + i, uv);
-        }
-        Store(h + (task.row0 + r) * inter + task.col0 + i, Activate(p.activation, gv) * uv);
-      }
-    }
-    return;
-  }
   const MutableMatrix hm{h + task.row0 * inter + task.col0, dtype, rows, width, inter, 1};
   GemmRegion(kernels, x, b, hm, 0, rows, 0, width, blocking, epilogue, gather);
   if (!exact_bias) return;
@@ -338,11 +262,13 @@ void GatedProjection(const GemmKernels& kernels, const FusedExpertsParams& p, co
 template <typename T>
 void GatedProjections(const GemmKernels& kernels, const FusedExpertsParams& p, const Routing& routing,
                       const FusedExpertsConfig& config, T* h, T* pre) {
-  GemmBlocking blocking = BlockingOf(config);
-  blocking.block_n = GatedBlockN(config);
   const std::vector<float> b1 = BiasFloat(p.w1_bias);
-  const std::vector<Task> tasks = Tasks(routing, config.task_rows, p.w2.sizes[1], blocking.block_n);
-  RunTasks(tasks, [&](const Task& task) { GatedProjection<T>(kernels, p, routing, task, blocking, b1, h, pre); });
+  const std::vector<Task> tasks = Tasks(routing, config.task_rows, p.w2.sizes[1], GatedBlockN(config));
+  RunTasks(tasks, [&](const Task& task) {
+    GemmBlocking blocking = BlockingOf(config, task.row1 - task.row0);
+    blocking.block_n = GatedBlockN(config);
+    GatedProjection<T>(kernels, p, routing, task, blocking, b1, h, pre);
+  });
 }
 
 Status Prepare(const FusedExpertsParams& p, const FusedExpertsConfig& config, const char* op, Routing* routing,
@@ -370,7 +296,6 @@ Status FusedExperts(const FusedExpertsParams& p, const FusedExpertsConfig& confi
   Status status = Prepare(p, config, "fused_experts", &routing, &kernels);
   if (!status.ok()) return status;
   const int64_t tokens = p.x.sizes[0], hidden = p.x.sizes[1], inter = p.w2.sizes[1], k = p.topk_ids.cols;
-  const GemmBlocking blocking = BlockingOf(config);
   return DispatchDType(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = Acc<T>;
@@ -382,8 +307,8 @@ Status FusedExperts(const FusedExpertsParams& p, const FusedExpertsConfig& confi
       const int64_t rows = task.row1 - task.row0;
       const ConstMatrix hm{&h[task.row0 * inter], p.x.dtype, rows, inter, inter, 1};
       A* y_rows = &y[task.row0 * hidden];
-      WeightProduct(*kernels, hm, W2(p, task.expert), AccMatrix(y_rows, rows, hidden), task.col0, task.col1,
-                    blocking);
+      GemmRegion(*kernels, hm, W2(p, task.expert), AccMatrix(y_rows, rows, hidden), 0, rows, task.col0, task.col1,
+                 BlockingOf(config, rows));
       if (p.w2_bias.data != nullptr) {
         for (int64_t c = task.col0; c < task.col1; ++c) {
           const A b = static_cast<A>(LoadAny(p.w2_bias.At(task.expert, c), p.w2_bias.dtype));
@@ -427,7 +352,7 @@ Status FusedExpertsBackward(const FusedExpertsParams& p, const FusedExpertsConfi
   if (!status.ok()) return status;
   const int64_t tokens = p.x.sizes[0], hidden = p.x.sizes[1], inter = p.w2.sizes[1], k = p.topk_ids.cols;
   const int64_t experts = p.w1.sizes[0], rows_total = routing.rows;
-  const GemmBlocking blocking = BlockingOf(config);
+  const GemmBlocking blocking = PackedBlockingOf(config);  // the weight gradients'
   return DispatchDType(p.x.dtype, [&](auto tag) {
     using T = decltype(tag);
     using A = Acc<T>;
@@ -452,8 +377,8 @@ Status FusedExpertsBackward(const FusedExpertsParams& p, const FusedExpertsConfi
     RunTasks(Tasks(routing, config.task_rows, inter, config.block_n), [&](const Task& task) {
       const int64_t rows = task.row1 - task.row0;
       const ConstMatrix dout_rows{&doutg[task.row0 * hidden], dtype, rows, hidden, hidden, 1};
-      WeightProduct(*kernels, dout_rows, W2T(p, task.expert), AccMatrix(&grad[task.row0 * inter], rows, inter),
-                    task.col0, task.col1, blocking);
+      GemmRegion(*kernels, dout_rows, W2T(p, task.expert), AccMatrix(&grad[task.row0 * inter], rows, inter), 0, rows,
+                 task.col0, task.col1, BlockingOf(config, rows));
     });
     LargeBuffer<T> wh(rows_total * inter, LargeBuffer<T>::kUninitialized);
     LargeBuffer<T> dpre(rows_total * 2 * inter, LargeBuffer<T>::kUninitialized);
@@ -495,8 +420,8 @@ Status FusedExpertsBackward(const FusedExpertsParams& p, const FusedExpertsConfi
     RunTasks(Tasks(routing, config.task_rows, hidden, config.block_n), [&](const Task& task) {
       const int64_t rows = task.row1 - task.row0;
       const ConstMatrix dpre_rows{&dpre[task.row0 * 2 * inter], dtype, rows, 2 * inter, 2 * inter, 1};
-      WeightProduct(*kernels, dpre_rows, W1T(p, task.expert), AccMatrix(&dxs[task.row0 * hidden], rows, hidden),
-                    task.col0, task.col1, blocking);
+      GemmRegion(*kernels, dpre_rows, W1T(p, task.expert), AccMatrix(&dxs[task.row0 * hidden], rows, hidden), 0, rows,
+                 task.col0, task.col1, BlockingOf(config, rows));
     });
     // Weight gradients: one task per (expert, column block), each summing all the expert's rows in
     // sorted order (an expert with no rows gets K = 0: exact zeros).

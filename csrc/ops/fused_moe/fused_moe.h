@@ -35,7 +35,9 @@ namespace tokamax {
 #define TOKAMAX_FUSED_MOE_CONFIG_FIELDS(X)                                                         \
   X(task_rows, 96, 6, 4096, 6, "most of one expert's (token, slot) rows in one task")                         \
   X(block_k, 256, 16, 8192, 16, "depth of one packed slice of K (the sum order of every product)") \
-  X(block_n, 512, 16, 8192, 16, "columns of B packed at once; a weight-gradient task's columns")
+  X(block_n, 512, 16, 8192, 16, "columns of B packed at once; a weight-gradient task's columns")   \
+  X(pack_b_min_rows, 96, 0, (int64_t{1} << 30), 1,                                                 \
+    "a task with fewer rows reads contiguous weight columns in place instead of packing them")
 #define TOKAMAX_FUSED_MOE_PRODUCTS(X) X(kForward, "forward") X(kBackward, "backward")
 
 struct FusedExpertsConfig {
