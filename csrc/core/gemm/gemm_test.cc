@@ -167,69 +167,78 @@ TEST_P(GemmMicroTest, ShortTilesAndBothBroadcastFormsKeepTheBits) {
   }
 }
 
-// pack_a of a row-major fp32 A (the register-transpose path) and of its transposed view (the
-// strided path): every panel element is A's, zero past the last row, nothing written past the
-// panels, for depths around the 8-wide blocks and row counts around whole panels.
+// pack_a of a row-major A (the register-transpose paths, rows gathered through a map or not)
+// and of its transposed view (the strided path), in fp32, bf16 and fp16: every panel element is
+// A's, zero past the last row, nothing written past the panels, for depths around the 8- and
+// 16-step blocks and row counts around whole panels.
 TEST_P(GemmMicroTest, PackAMatchesElementwise) {
   const Isa isa = GetParam();
   if (!IsaSupported(isa, GetCpuInfo())) GTEST_SKIP() << IsaName(isa) << " not supported here";
   const GemmKernels& kernels = GetGemmKernels(isa);
   const int64_t mr = kernels.mr, ld = 83;
-  Buffer source(DType::kFloat32, ld * ld);  // square, so both views hold every index used
-  testing::FillRandom(source, ld * ld, 7);
-  const float* data = static_cast<const float*>(source.data());
-  for (bool transposed : {false, true}) {
-    for (int64_t rows : {int64_t{1}, mr - 1, mr, 2 * mr + 3}) {
-      for (int64_t depth : {1, 7, 8, 9, 16, 21, 40}) {
-        const int64_t row0 = 2, k0 = 3, panels = (rows + mr - 1) / mr, size = panels * mr * depth;
-        // A(i, p) at data[i * ld + p], or for the transposed view at data[p * ld + i].
-        const ConstMatrix a = transposed ? ConstMatrix{data, DType::kFloat32, ld, ld, 1, ld}
-                                         : ConstMatrix{data, DType::kFloat32, ld, ld, ld, 1};
-        std::vector<float> got(size + 16, -7.0f);
-        kernels.pack_a(a, row0, rows, k0, depth, nullptr, got.data());
-        for (int64_t r = 0; r < panels * mr; ++r) {
-          for (int64_t p = 0; p < depth; ++p) {
-            const int64_t i = row0 + r, j = k0 + p;
-            const float want = r < rows ? (transposed ? data[j * ld + i] : data[i * ld + j]) : 0.0f;
-            ASSERT_EQ(got[(r / mr) * mr * depth + p * mr + r % mr], want)
-                << "transposed " << transposed << " rows " << rows << " depth " << depth << " r " << r << " p " << p;
+  std::vector<int64_t> row_map(ld);
+  for (int64_t i = 0; i < ld; ++i) row_map[i] = (i * 37 + 5) % ld;  // a permutation
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    Buffer source(dtype, ld * ld);  // square, so both views hold every index used
+    testing::FillRandom(source, ld * ld, 7);
+    for (int layout = 0; layout < 3; ++layout) {  // row-major, gathered row-major, transposed
+      const bool transposed = layout == 2;
+      const int64_t* map = layout == 1 ? row_map.data() : nullptr;
+      for (int64_t rows : {int64_t{1}, mr - 1, mr, 2 * mr + 3}) {
+        for (int64_t depth : {1, 7, 8, 9, 16, 21, 40}) {
+          const int64_t row0 = 2, k0 = 3, panels = (rows + mr - 1) / mr, size = panels * mr * depth;
+          // A(i, p) at data[i * ld + p], or for the transposed view at data[p * ld + i].
+          const ConstMatrix a = transposed ? ConstMatrix{source.data(), dtype, ld, ld, 1, ld}
+                                           : ConstMatrix{source.data(), dtype, ld, ld, ld, 1};
+          std::vector<float> got(size + 16, -7.0f);
+          kernels.pack_a(a, row0, rows, k0, depth, map, got.data());
+          for (int64_t r = 0; r < panels * mr; ++r) {
+            for (int64_t p = 0; p < depth; ++p) {
+              const int64_t i = map != nullptr ? map[row0 + r < ld ? row0 + r : 0] : row0 + r, j = k0 + p;
+              const float want = r < rows ? source.Get(transposed ? j * ld + i : i * ld + j) : 0.0f;
+              ASSERT_EQ(got[(r / mr) * mr * depth + p * mr + r % mr], want)
+                  << DTypeName(dtype) << " layout " << layout << " rows " << rows << " depth " << depth << " r " << r
+                  << " p " << p;
+            }
           }
+          for (int64_t e = size; e < size + 16; ++e) ASSERT_EQ(got[e], -7.0f) << "wrote past the panels";
         }
-        for (int64_t e = size; e < size + 16; ++e) ASSERT_EQ(got[e], -7.0f) << "wrote past the panels";
       }
     }
   }
 }
 
-// pack_b of a row-major fp32 B (the row walk) and of its transposed view (whole panels by the
-// register transpose, a last partial panel element-wise): every panel element is B's, zero past
-// the last column, nothing written past the panels.
+// pack_b of a row-major B (the row walk) and of its transposed view (whole panels by the
+// register transposes, a last partial panel element-wise), in fp32, bf16 and fp16: every panel
+// element is B's, zero past the last column, nothing written past the panels.
 TEST_P(GemmMicroTest, PackBMatchesElementwise) {
   const Isa isa = GetParam();
   if (!IsaSupported(isa, GetCpuInfo())) GTEST_SKIP() << IsaName(isa) << " not supported here";
   const GemmKernels& kernels = GetGemmKernels(isa);
   const int64_t nr = kernels.nr, ld = 83;
-  Buffer source(DType::kFloat32, ld * ld);
-  testing::FillRandom(source, ld * ld, 8);
-  const float* data = static_cast<const float*>(source.data());
-  for (bool transposed : {false, true}) {
-    for (int64_t cols : {int64_t{1}, nr - 1, nr, 2 * nr + 3}) {
-      for (int64_t depth : {1, 7, 8, 9, 16, 21, 40}) {
-        const int64_t col0 = 2, k0 = 3, panels = (cols + nr - 1) / nr, size = panels * nr * depth;
-        // B(p, j) at data[p * ld + j], or for the transposed view at data[j * ld + p].
-        const ConstMatrix b = transposed ? ConstMatrix{data, DType::kFloat32, ld, ld, 1, ld}
-                                         : ConstMatrix{data, DType::kFloat32, ld, ld, ld, 1};
-        std::vector<float> got(size + 16, -7.0f);
-        kernels.pack_b(b, k0, depth, col0, cols, got.data());
-        for (int64_t c = 0; c < panels * nr; ++c) {
-          for (int64_t p = 0; p < depth; ++p) {
-            const int64_t i = k0 + p, j = col0 + c;
-            const float want = c < cols ? (transposed ? data[j * ld + i] : data[i * ld + j]) : 0.0f;
-            ASSERT_EQ(got[(c / nr) * nr * depth + p * nr + c % nr], want)
-                << "transposed " << transposed << " cols " << cols << " depth " << depth << " c " << c << " p " << p;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    Buffer source(dtype, ld * ld);
+    testing::FillRandom(source, ld * ld, 8);
+    for (bool transposed : {false, true}) {
+      for (int64_t cols : {int64_t{1}, nr - 1, nr, 2 * nr + 3}) {
+        for (int64_t depth : {1, 7, 8, 9, 16, 21, 40}) {
+          const int64_t col0 = 2, k0 = 3, panels = (cols + nr - 1) / nr, size = panels * nr * depth;
+          // B(p, j) at data[p * ld + j], or for the transposed view at data[j * ld + p].
+          const ConstMatrix b = transposed ? ConstMatrix{source.data(), dtype, ld, ld, 1, ld}
+                                           : ConstMatrix{source.data(), dtype, ld, ld, ld, 1};
+          std::vector<float> got(size + 16, -7.0f);
+          kernels.pack_b(b, k0, depth, col0, cols, got.data());
+          for (int64_t c = 0; c < panels * nr; ++c) {
+            for (int64_t p = 0; p < depth; ++p) {
+              const int64_t i = k0 + p, j = col0 + c;
+              const float want = c < cols ? source.Get(transposed ? j * ld + i : i * ld + j) : 0.0f;
+              ASSERT_EQ(got[(c / nr) * nr * depth + p * nr + c % nr], want)
+                  << DTypeName(dtype) << " transposed " << transposed << " cols " << cols << " depth " << depth
+                  << " c " << c << " p " << p;
+            }
           }
+          for (int64_t e = size; e < size + 16; ++e) ASSERT_EQ(got[e], -7.0f) << "wrote past the panels";
         }
-        for (int64_t e = size; e < size + 16; ++e) ASSERT_EQ(got[e], -7.0f) << "wrote past the panels";
       }
     }
   }
