@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -197,6 +198,30 @@ def test_empty_tokens():
 
 
 # ---- the contract ----------------------------------------------------------------------------
+
+class _TokamaxOps(TorchDispatchMode):
+    """The tokamax ops a call dispatches below autograd."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith("tokamax."):
+            self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("grad_enabled", [False, True])
+def test_only_a_call_that_can_be_differentiated_saves_pre_activations(grad_enabled):
+    """Under no_grad (generation) the parameters still require grad, but no backward can follow:
+    the plain forward runs, not the training one that also writes the [T*k, 2I] pre-activations."""
+    args, kwargs = problem()
+    with _TokamaxOps() as ops, torch.set_grad_enabled(grad_enabled):
+        out = fe.kernel(*args, **kwargs)
+    assert ops.names == (["tokamax._fused_experts_train.default"] if grad_enabled else ["tokamax.fused_experts.default"])
+    assert out.requires_grad == grad_enabled
+
 
 def _sample(**kwargs):
     return lambda: problem(**kwargs)

@@ -339,9 +339,14 @@ at::OptionalIntArrayRef ConfigRef(const std::vector<int64_t>& config) {
   return config.empty() ? at::OptionalIntArrayRef() : at::OptionalIntArrayRef(config);
 }
 
-// Whether a backward will follow: then the forward saves its pre-activations for it (the
-// backward's gate|up product otherwise runs again: a fifth of its products).
-bool AnyRequiresGrad(std::initializer_list<const Tensor*> tensors, std::initializer_list<const OptTensor*> optional) {
+// Whether a backward can follow: grad mode on and an input requiring grad. Then the call goes
+// through the autograd Function, whose forward saves its pre-activations for the backward (the
+// backward's gate|up product otherwise runs again: a fifth of its products); otherwise the
+// plain op runs and saves nothing (e.g. generation or prefill under no_grad, whose parameters
+// still require grad: they took the training forward, which holds a [T*k, 2I] buffer, 176 MiB
+// at T=4096 top-2 I=2816 fp32, for a backward that never comes).
+bool WillBackward(std::initializer_list<const Tensor*> tensors, std::initializer_list<const OptTensor*> optional) {
+  if (!at::GradMode::is_enabled()) return false;
   for (const Tensor* t : tensors) {
     if (t->requires_grad()) return true;
   }
@@ -359,21 +364,14 @@ class FusedExpertsFunction : public torch::autograd::Function<FusedExpertsFuncti
                         at::OptionalIntArrayRef bwd_config) {
     ctx->saved_data["act_fn"] = std::string(act_fn);
     ctx->saved_data["bwd_config"] = ConfigVector(bwd_config);
+    static const auto train = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("tokamax::_fused_experts_train", "")
+                                  .typed<ExpertsTrainSignature>();
     Tensor out, residuals;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      if (AnyRequiresGrad({&x, &w1, &w2, &topk_weights}, {&w1_bias, &w2_bias})) {
-        static const auto train = c10::Dispatcher::singleton()
-                                      .findSchemaOrThrow("tokamax::_fused_experts_train", "")
-                                      .typed<ExpertsTrainSignature>();
-        std::tie(out, residuals) =
-            train.call(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias, config, bwd_config);
-      } else {
-        static const auto op = c10::Dispatcher::singleton()
-                                   .findSchemaOrThrow("tokamax::fused_experts", "")
-                                   .typed<ExpertsSignature>();
-        out = op.call(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias, config, bwd_config);
-      }
+      std::tie(out, residuals) =
+          train.call(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias, config, bwd_config);
     }
     ctx->save_for_backward({x, w1, w2, topk_weights, topk_ids, w1_bias.value_or(Tensor()),
                             w2_bias.value_or(Tensor()), residuals});
@@ -398,6 +396,12 @@ Tensor FusedExpertsAutograd(const Tensor& x, const Tensor& w1, const Tensor& w2,
                             const Tensor& topk_ids, c10::string_view act_fn, const OptTensor& w1_bias,
                             const OptTensor& w2_bias, at::OptionalIntArrayRef config,
                             at::OptionalIntArrayRef bwd_config) {
+  if (!WillBackward({&x, &w1, &w2, &topk_weights}, {&w1_bias, &w2_bias})) {
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("tokamax::fused_experts", "").typed<ExpertsSignature>();
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias, config, bwd_config);
+  }
   return FusedExpertsFunction::apply(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias, config, bwd_config);
 }
 
@@ -539,19 +543,13 @@ class FusedMoeFunction : public torch::autograd::Function<FusedMoeFunction> {
     ctx->saved_data["renormalize"] = renormalize;
     ctx->saved_data["act_fn"] = std::string(act_fn);
     ctx->saved_data["bwd_config"] = ConfigVector(bwd_config);
+    static const auto train =
+        c10::Dispatcher::singleton().findSchemaOrThrow("tokamax::_fused_moe_train", "").typed<MoeTrainSignature>();
     Tensor out, residuals;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      if (AnyRequiresGrad({&x, &w1, &w2, &gating}, {&w1_bias, &w2_bias})) {
-        static const auto train =
-            c10::Dispatcher::singleton().findSchemaOrThrow("tokamax::_fused_moe_train", "").typed<MoeTrainSignature>();
-        std::tie(out, residuals) =
-            train.call(x, w1, w2, gating, topk, renormalize, act_fn, w1_bias, w2_bias, config, bwd_config);
-      } else {
-        static const auto op =
-            c10::Dispatcher::singleton().findSchemaOrThrow("tokamax::fused_moe", "").typed<MoeSignature>();
-        out = op.call(x, w1, w2, gating, topk, renormalize, act_fn, w1_bias, w2_bias, config, bwd_config);
-      }
+      std::tie(out, residuals) =
+          train.call(x, w1, w2, gating, topk, renormalize, act_fn, w1_bias, w2_bias, config, bwd_config);
     }
     ctx->save_for_backward(
         {x, w1, w2, gating, w1_bias.value_or(Tensor()), w2_bias.value_or(Tensor()), residuals});
@@ -578,6 +576,12 @@ Tensor FusedMoeAutograd(const Tensor& x, const Tensor& w1, const Tensor& w2, con
                         bool renormalize, c10::string_view act_fn, const OptTensor& w1_bias,
                         const OptTensor& w2_bias, at::OptionalIntArrayRef config,
                         at::OptionalIntArrayRef bwd_config) {
+  if (!WillBackward({&x, &w1, &w2, &gating}, {&w1_bias, &w2_bias})) {
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("tokamax::fused_moe", "").typed<MoeSignature>();
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, w1, w2, gating, topk, renormalize, act_fn, w1_bias, w2_bias, config, bwd_config);
+  }
   return FusedMoeFunction::apply(x, w1, w2, gating, topk, renormalize, act_fn, w1_bias, w2_bias, config, bwd_config);
 }
 
