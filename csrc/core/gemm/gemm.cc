@@ -17,11 +17,17 @@ TOKAMAX_DECLARE_IN_TIERS(const GemmKernels& GemmKernelTable(FmaBroadcastForm for
 
 namespace {
 
-// The avx512 table of `form` with the tier's bf16 product engine.
-[[maybe_unused]] GemmKernels WithBf16Products(Isa isa, FmaBroadcastForm form) {
-  GemmKernels table = tier_avx512::GemmKernelTable(form);
-  table.bf16 = GetBf16Products(isa);
-  return table;
+// The avx512 table of `form` with `kIsa`'s bf16 product engine (both forms built once).
+template <Isa kIsa>
+[[maybe_unused]] const GemmKernels& WithBf16Products(FmaBroadcastForm form) {
+  const auto build = [](FmaBroadcastForm f) {
+    GemmKernels table = tier_avx512::GemmKernelTable(f);
+    table.bf16 = GetBf16Products(kIsa);
+    return table;
+  };
+  static const GemmKernels embedded = build(FmaBroadcastForm::kEmbedded);
+  static const GemmKernels registers = build(FmaBroadcastForm::kRegister);
+  return form == FmaBroadcastForm::kRegister ? registers : embedded;
 }
 
 }  // namespace
@@ -37,21 +43,12 @@ const GemmKernels& GetGemmKernels(Isa isa) {
 
 // A tier this build lacks (IsaBuilt) gets the scalar table.
 const GemmKernels& GetGemmKernels(Isa isa, FmaBroadcastForm form) {
-  const bool shared = form == FmaBroadcastForm::kRegister;
   switch (isa) {
 #ifdef TOKAMAX_HAVE_AMX
-    case Isa::kAmx: {
-      static const GemmKernels embedded = WithBf16Products(Isa::kAmx, FmaBroadcastForm::kEmbedded);
-      static const GemmKernels registers = WithBf16Products(Isa::kAmx, FmaBroadcastForm::kRegister);
-      return shared ? registers : embedded;
-    }
+    case Isa::kAmx: return WithBf16Products<Isa::kAmx>(form);
 #endif
 #ifdef TOKAMAX_HAVE_AVX512BF16
-    case Isa::kAvx512Bf16: {
-      static const GemmKernels embedded = WithBf16Products(Isa::kAvx512Bf16, FmaBroadcastForm::kEmbedded);
-      static const GemmKernels registers = WithBf16Products(Isa::kAvx512Bf16, FmaBroadcastForm::kRegister);
-      return shared ? registers : embedded;
-    }
+    case Isa::kAvx512Bf16: return WithBf16Products<Isa::kAvx512Bf16>(form);
 #endif
 #ifdef TOKAMAX_HAVE_AVX512
     case Isa::kAvx512: return tier_avx512::GemmKernelTable(form);
