@@ -199,8 +199,8 @@ def test_empty_tokens():
 
 # ---- the contract ----------------------------------------------------------------------------
 
-class _TokamaxOps(TorchDispatchMode):
-    """The tokamax ops a call dispatches below autograd."""
+class TokamaxOpsSeen(TorchDispatchMode):
+    """Records the tokamax ops a call dispatches below autograd."""
 
     def __init__(self):
         super().__init__()
@@ -212,15 +212,19 @@ class _TokamaxOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("grad_enabled", [False, True])
-def test_only_a_call_that_can_be_differentiated_saves_pre_activations(grad_enabled):
+def check_pre_activations_saved_only_with_grad(call, family, grad_enabled):
     """Under no_grad (generation) the parameters still require grad, but no backward can follow:
     the plain forward runs, not the training one that also writes the [T*k, 2I] pre-activations."""
-    args, kwargs = problem()
-    with _TokamaxOps() as ops, torch.set_grad_enabled(grad_enabled):
-        out = fe.kernel(*args, **kwargs)
-    assert ops.names == (["tokamax._fused_experts_train.default"] if grad_enabled else ["tokamax.fused_experts.default"])
+    with TokamaxOpsSeen() as ops, torch.set_grad_enabled(grad_enabled):
+        out = call()
+    assert ops.names == ([f"tokamax._{family}_train.default"] if grad_enabled else [f"tokamax.{family}.default"])
     assert out.requires_grad == grad_enabled
+
+
+@pytest.mark.parametrize("grad_enabled", [False, True])
+def test_only_a_call_that_can_be_differentiated_saves_pre_activations(grad_enabled):
+    args, kwargs = problem()
+    check_pre_activations_saved_only_with_grad(lambda: fe.kernel(*args, **kwargs), "fused_experts", grad_enabled)
 
 
 def _sample(**kwargs):

@@ -4,13 +4,13 @@ CONTRACT and its property test. The experts' oracle is test_fused_experts.py's."
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contract import THREAD_COUNTS, BadInput, DynamicSizes, OpContract, Sample
 from strategies import DTYPES, PROFILE, layout
 from test_fused_experts import TOLERANCE as EXPERTS_TOLERANCE
+from test_fused_experts import check_pre_activations_saved_only_with_grad
 from test_fused_experts import oracle as experts_oracle
 from test_fused_experts import weights
 from tokamax_torch.ops import fused_moe as fm
@@ -124,28 +124,10 @@ def test_unused_experts_get_exact_zero_gradients():
 
 # ---- the contract ----------------------------------------------------------------------------
 
-class _TokamaxOps(TorchDispatchMode):
-    """The tokamax ops a call dispatches below autograd."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func).startswith("tokamax."):
-            self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("grad_enabled", [False, True])
 def test_only_a_call_that_can_be_differentiated_saves_pre_activations(grad_enabled):
-    """Under no_grad (generation) the parameters still require grad, but no backward can follow:
-    the plain forward runs, not the training one that also writes the [T*k, 2I] pre-activations."""
     args, kwargs = problem()
-    with _TokamaxOps() as ops, torch.set_grad_enabled(grad_enabled):
-        out = fm.kernel(*args, **kwargs)
-    assert ops.names == (["tokamax._fused_moe_train.default"] if grad_enabled else ["tokamax.fused_moe.default"])
-    assert out.requires_grad == grad_enabled
+    check_pre_activations_saved_only_with_grad(lambda: fm.kernel(*args, **kwargs), "fused_moe", grad_enabled)
 
 
 def _sample(**kwargs):
