@@ -99,6 +99,18 @@ void MicroKernel(int64_t depth, const float* a, int64_t lda, const T* b, int64_t
         const char* ahead = reinterpret_cast<const char*>(b + (p + u) * ldb) + kPrefetchBytes;
         _mm_prefetch(ahead, _MM_HINT_T0);
         if constexpr (kPanelBytes > 64) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+        if constexpr (kRows <= 4) {
+          // A few-row tile (decode-sized products) spends next to nothing per B row, so its walk
+          // down the panel waits on each row's first line: ask for the panel's line kDownRows
+          // rows ahead too, into L2. amd_zen4_avx512bf16, 2 threads, alternating processes, min
+          // of 3-4: ragged_dot M=64 K=2048 N=1024, 16 groups of 4, fp32 6.9-7.6 -> 4.4-4.7 ms,
+          // bf16 4.9-5.2 -> 3.3-4.0 ms; gated_linear_unit M=4 K=2048 N=5632 0-13% faster;
+          // fused_experts at 4 tokens within noise. Not measured on Intel.
+          constexpr int64_t kDownRows = 32;
+          const char* down = reinterpret_cast<const char*>(b + (p + u + kDownRows) * ldb);
+          _mm_prefetch(down, _MM_HINT_T1);
+          if constexpr (kPanelBytes > 64) _mm_prefetch(down + 64, _MM_HINT_T1);
+        }
       }
 #pragma GCC unroll 4
       for (int64_t u = 0; u < kDepthUnroll; ++u) TOKAMAX_STEP(p + u)
