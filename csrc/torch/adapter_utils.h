@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <initializer_list>
 #include <numeric>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -98,6 +99,23 @@ inline bool IsPlainCpu(const at::Tensor& t) {
          !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,
                                                    c10::DispatchKey::PythonTLSSnapshot})) &&
          !t.unsafeGetTensorImpl()->is_python_dispatch();
+}
+
+// Whether a backward can follow this call: grad mode on and an input requiring grad. Adapters
+// decide before their autograd Function (inside it grad mode is always off), so a call under
+// no_grad whose parameters still require grad (generation) runs the plain forward and saves
+// nothing for a backward that never comes. Undefined tensors (absent optionals) count as not
+// requiring grad.
+inline bool WillBackward(std::initializer_list<const at::Tensor*> tensors,
+                         std::initializer_list<const std::optional<at::Tensor>*> optional = {}) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : tensors) {
+    if (t->defined() && t->requires_grad()) return true;
+  }
+  for (const std::optional<at::Tensor>* t : optional) {
+    if (t->has_value() && (*t)->defined() && (*t)->requires_grad()) return true;
+  }
+  return false;
 }
 
 // The Autograd kernel of an op without a gradient (upstream defines none), boxed so one function

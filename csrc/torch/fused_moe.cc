@@ -339,23 +339,10 @@ at::OptionalIntArrayRef ConfigRef(const std::vector<int64_t>& config) {
   return config.empty() ? at::OptionalIntArrayRef() : at::OptionalIntArrayRef(config);
 }
 
-// Whether a backward can follow: grad mode on and an input requiring grad. Then the call goes
-// through the autograd Function, whose forward saves its pre-activations for the backward (the
-// backward's gate|up product otherwise runs again: a fifth of its products); otherwise the
-// plain op runs and saves nothing (e.g. generation or prefill under no_grad, whose parameters
-// still require grad: they took the training forward, which holds a [T*k, 2I] buffer, 176 MiB
-// at T=4096 top-2 I=2816 fp32, for a backward that never comes).
-bool WillBackward(std::initializer_list<const Tensor*> tensors, std::initializer_list<const OptTensor*> optional) {
-  if (!at::GradMode::is_enabled()) return false;
-  for (const Tensor* t : tensors) {
-    if (t->requires_grad()) return true;
-  }
-  for (const OptTensor* t : optional) {
-    if (t->has_value() && (*t)->requires_grad()) return true;
-  }
-  return false;
-}
-
+// The plain op runs unless a backward can follow (WillBackward): the autograd Function's forward
+// saves its pre-activations for the backward (whose gate|up product otherwise runs again: a fifth
+// of its products), a [T*k, 2I] buffer (176 MiB at T=4096 top-2 I=2816 fp32) that generation
+// under no_grad, whose parameters still require grad, must not pay for.
 class FusedExpertsFunction : public torch::autograd::Function<FusedExpertsFunction> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& w1, const Tensor& w2,
