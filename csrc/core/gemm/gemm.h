@@ -162,7 +162,7 @@ struct GemmKernels {
 // the longer form).
 enum class FmaBroadcastForm { kEmbedded, kRegister };
 
-// kRegister on Intel CPUs, kEmbedded elsewhere.
+// kRegister on Intel CPUs and AMD Zen 5 and later (full-width 512-bit FMAs), kEmbedded elsewhere.
 FmaBroadcastForm PreferredFmaBroadcastForm(const CpuInfo& cpu);
 
 // The tier's kernels in the running CPU's preferred form, or in `form`.

@@ -167,6 +167,22 @@ TEST_P(GemmMicroTest, ShortTilesAndBothBroadcastFormsKeepTheBits) {
   }
 }
 
+// The broadcast form follows the FMA datapath: kRegister where 512-bit FMAs are full width
+// (Intel, AMD Zen 5 = family 0x1a and later), kEmbedded on Zen 4's split datapath and elsewhere.
+TEST(GemmFormTest, PreferredFormFollowsTheFmaDatapath) {
+  const auto form_of = [](const char* vendor, int family) {
+    CpuInfo cpu;
+    cpu.vendor = vendor;
+    cpu.family = family;
+    return PreferredFmaBroadcastForm(cpu);
+  };
+  EXPECT_EQ(form_of("intel", 6), FmaBroadcastForm::kRegister);
+  EXPECT_EQ(form_of("amd", 0x1a), FmaBroadcastForm::kRegister);
+  EXPECT_EQ(form_of("amd", 0x19), FmaBroadcastForm::kEmbedded);
+  EXPECT_EQ(form_of("amd", 0x17), FmaBroadcastForm::kEmbedded);
+  EXPECT_EQ(form_of("unknown", 0), FmaBroadcastForm::kEmbedded);
+}
+
 // pack_a of a row-major A (the register-transpose paths, rows gathered through a map or not)
 // and of its transposed view (the strided path), in fp32, bf16 and fp16: every panel element is
 // A's, zero past the last row, nothing written past the panels, for depths around the 8- and
