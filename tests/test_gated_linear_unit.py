@@ -182,6 +182,24 @@ def test_overwrite_op_matches_the_functional_backward():
     _close(scratch[:, 0], dy * u * torch.func.grad(lambda t: F.silu(t).sum())(g), 1e-5, "dgate written over gate")
 
 
+def test_decode_blocking_follows_the_weights_layout():
+    """A few-row forward reads contiguous weights in place and is blocked for that; nn.Linear's
+    transposed views are packed and keep the packed blocking. The cache key tells them apart, and
+    the autotuning runner rebuilds views with strided columns. Both agree with the oracle."""
+    x = torch.randn(4, 512)
+    w = torch.randn(512, 2, 256) / 512 ** 0.5
+    views = (w[:, 0].t().contiguous().t(), w[:, 1].t().contiguous().t())
+    fused_config, views_config = glu.kernel.get_configs(x, w)[0], glu.kernel.get_configs(x, views)[0]
+    assert fused_config.block_k != views_config.block_k
+    assert glu.kernel.cache_key(x, w)["weights_in_place"] is True
+    assert glu.kernel.cache_key(x, views)["weights_in_place"] is False
+    bound = glu.kernel.bind(x, views)
+    assert bound.op.real_argument(bound, "weights", views, torch.Generator()).stride(-1) != 1
+    want = F.silu(x.double() @ w[:, 0].double()) * (x.double() @ w[:, 1].double())
+    for weights in (w, views):
+        torch.testing.assert_close(glu.kernel(x, weights).double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_inference_saves_nothing():
     """Without grad the kernel writes no pre-activations: its residual output is empty."""
     x, w = _problem()

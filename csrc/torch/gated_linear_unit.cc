@@ -82,12 +82,14 @@ std::vector<c10::SymInt> Concat(std::vector<c10::SymInt> lead, std::initializer_
   return lead;
 }
 
-GatedLinearUnitShape ShapeOf(const Tensor& x, const Tensor& weights) {
+GatedLinearUnitShape ShapeOf(const Tensor& x, const Tensor& weights, const std::optional<Tensor>& up_weights) {
   GatedLinearUnitShape shape;
   shape.k = x.size(-1);
   shape.n = weights.size(-1);
   shape.m = 1;
   for (int64_t d = 0; d + 1 < x.dim(); ++d) shape.m *= x.size(d);
+  const auto columns_contiguous = [&](const Tensor& w) { return w.size(-1) <= 1 || w.stride(-1) == 1; };
+  shape.weights_in_place = columns_contiguous(weights) && (!up_weights || columns_contiguous(*up_weights));
   return shape;
 }
 
@@ -99,7 +101,7 @@ std::tuple<Tensor, Tensor> GluCpu(const Tensor& x, const Tensor& weights, const 
                                   at::OptionalIntArrayRef bwd_config) {
   Activation act;
   const GluConfigs configs = CheckGluArgs(x, weights, up_weights, activation, config, bwd_config, &act);
-  const GatedLinearUnitShape shape = ShapeOf(x, weights);
+  const GatedLinearUnitShape shape = ShapeOf(x, weights, up_weights);
   const Tensor rows = Rows(x, shape);
   Tensor out = NewOutput({shape.m, shape.n}, x.options());
   Tensor residuals = return_residuals ? NewOutput({shape.m, 2, shape.n}, x.options()) : at::empty({0}, x.options());
@@ -182,7 +184,7 @@ std::tuple<Tensor, Tensor> GluBackwardImpl(const Tensor& dout, const Tensor& x, 
                                            at::OptionalIntArrayRef config, bool overwrite) {
   Activation act;
   const GluConfigs configs = CheckGluArgs(x, weights, up_weights, activation, config, std::nullopt, &act);
-  const GatedLinearUnitShape shape = ShapeOf(x, weights);
+  const GatedLinearUnitShape shape = ShapeOf(x, weights, up_weights);
   const int64_t m = shape.m, k = shape.k, n = shape.n;
   TORCH_CHECK(dout.numel() == m * n && dout.scalar_type() == x.scalar_type(),
               "gated_linear_unit backward: dout must have the output's shape and x's dtype, got ", ShapeString(dout));
@@ -332,7 +334,7 @@ std::tuple<Tensor, Tensor> GluAutograd(const Tensor& x, const Tensor& weights,
 ConfigProblem<GatedLinearUnitShape> GluConfigProblem(const Tensor& x, const Tensor& weights,
                                                      const std::optional<Tensor>& up_weights) {
   CheckGluArgs(x, weights, up_weights, "none");
-  return {ShapeOf(x, weights), ToCoreDType(x.scalar_type(), kOp)};
+  return {ShapeOf(x, weights, up_weights), ToCoreDType(x.scalar_type(), kOp)};
 }
 
 }  // namespace

@@ -80,16 +80,25 @@ class _GatedLinearUnit(_op.Op):
         return (bound["x"], gate, up)
 
     def cache_key_arguments(self, bound) -> dict:
-        """Sizes and dtype choose the config; the activation and the weights' form do not."""
-        gate, _ = _split_weights(bound["weights"])
-        return {"x": bound["x"], "k": gate.shape[0], "n": gate.shape[-1]}
+        """Sizes, dtype and whether the weights' columns are contiguous (a few-row forward reads
+        them in place, with its own blocking) choose the config; the activation and the fused or
+        paired form do not."""
+        gate, up = _split_weights(bound["weights"])
+        in_place = all(w.shape[-1] <= 1 or w.stride(-1) == 1 for w in (gate, up) if w is not None)
+        return {"x": bound["x"], "k": gate.shape[0], "n": gate.shape[-1], "weights_in_place": in_place}
 
     def real_argument(self, bound, name, value, generator):
         """A pair of weights becomes one fused tensor: the same kernels run, and the autotuner can
         differentiate it as one input."""
         if name == "weights" and isinstance(value, tuple):
-            return torch.stack([super(_GatedLinearUnit, self).real_argument(bound, name, w, generator)
-                                for w in value], dim=1)
+            fused = torch.stack([super(_GatedLinearUnit, self).real_argument(bound, name, w, generator)
+                                 for w in value], dim=1)
+            if self.cache_key_arguments(bound)["weights_in_place"]:
+                return fused
+            # Columns strided like the pair's (nn.Linear's transposed views): the layout the
+            # blocking was chosen for.
+            k, _, n = fused.shape
+            return fused.reshape(k, 2 * n).t().contiguous().t().view(k, 2, n)
         return super().real_argument(bound, name, value, generator)
 
     def cli_call(self, shape: str, dtype: torch.dtype, options):

@@ -32,6 +32,28 @@ template <Isa kIsa>
 
 }  // namespace
 
+StreamingBlocking InPlaceBlocking(int64_t rows, DType dtype, const CpuInfo& cpu) {
+  const bool bf16_engine = dtype == DType::kBFloat16 && cpu.avx512bf16;
+  if (rows <= 2 * kGemmMr) {
+    // A few rows (decode): 1024-wide blocks and 32-deep slices, so a panel's walk down B is short
+    // and the next panels' lines of the same rows, asked for ahead, are still in L1 when read
+    // (M=64 K=2048 N=1024, 16 groups of 4: 2.0x faster than 256-deep slices). Zen 4 measured
+    // 256-deep faster for bf16 (1.09-1.19x on four tiny-group shapes; before the micro-kernel's
+    // prefetch down the panel, f09ff4f); Zen 5 measures 32 faster for bf16 too
+    // (amd_zen5_avx512bf16, 2 threads: ragged_dot 16 groups of 4 1.84 -> 1.57 ms,
+    // gated_linear_unit M=1-4 K=2048 N=5632 1.84-1.88 -> 1.03 ms with 1024-wide blocks).
+    const bool zen4_dot_engine = bf16_engine && !(cpu.amx_tile && cpu.amx_bf16) && cpu.vendor == "amd" &&
+                                 cpu.family < 0x1a;
+    return {zen4_dot_engine ? 256 : 32, 1024};
+  }
+  // On Intel (Sapphire Rapids class, intel_model167_amx) 13-95 rows stream B best in 64-deep
+  // slices: 128 rows of B in flight per panel overrun the prefetchers there (ragged_dot fp32
+  // forward, 2 threads: 128 Zipf-sized groups 34.7 -> 28.6 ms, 256 groups 59.0 -> 43.0 ms, 64
+  // equal groups unchanged; issue 22). Zen 4 keeps the 128 it was measured with, and so does
+  // bf16 where a bf16 engine runs it (AMX: 64 measured 2% slower, 128 Zipf groups).
+  return {cpu.vendor == "intel" && !bf16_engine ? 64 : 128, 512};
+}
+
 FmaBroadcastForm PreferredFmaBroadcastForm(const CpuInfo& cpu) {
   // Zen 4 (family 0x19) runs 512-bit FMAs on 256-bit halves, and its front end limits the longer
   // kRegister form; Zen 5 (0x1a) has full-width FMAs, and there the 14-load form wins like on

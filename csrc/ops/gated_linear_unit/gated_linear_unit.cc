@@ -24,10 +24,6 @@ GluRowGradsFn RowGradsOf(Isa isa, DType dtype, Activation activation) {
   TOKAMAX_RETURN_BY_VECTOR_WIDTH(isa, GluRowGrads(dtype, activation));
 }
 
-// Packing B pays once a task reuses each of its elements for about this many rows; fewer rows
-// read it in place (ragged_dot's measurement, the same driver).
-constexpr int64_t kPackBMinRows = 96;
-
 ConstMatrix MatrixOf(const StridedView<2>& v) {
   return {v.data, v.dtype, v.sizes[0], v.sizes[1], v.strides[0], v.strides[1]};
 }
@@ -57,7 +53,7 @@ void ParallelGemm(const GemmKernels& kernels, const ConstMatrix& a, const ConstM
       blocking.block_m = config.block_m;
       blocking.block_k = config.block_k;
       blocking.block_n = config.block_n;
-      blocking.pack_b = m1 - m0 >= kPackBMinRows;
+      blocking.pack_b = m1 - m0 >= kGemmPackBMinRows;
       GemmRegion(kernels, a, b, c, m0, m1, n0, n1, blocking, epilogue);
     }
   });

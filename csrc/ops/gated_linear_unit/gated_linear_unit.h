@@ -38,6 +38,9 @@ struct GatedLinearUnitShape {
   int64_t m = 0;  // rows of x (the product of its leading dims)
   int64_t k = 0;
   int64_t n = 0;  // columns of each weight
+  // Both weights' columns are contiguous (fused [K, 2, N] or [K, N] weights, not nn.Linear's
+  // transposed views): a forward of few rows reads them in place, which wants other blocking.
+  bool weights_in_place = true;
 };
 
 // The activation named `name` (swish or silu, gelu (tanh approximation), gelu_exact, relu,

@@ -188,6 +188,36 @@ TEST(GatedLinearUnitActivationTest, NamesAndErrors) {
   EXPECT_NE(bad.message().find("got 'tanh'"), std::string::npos) << bad.message();
 }
 
+// A decode-sized forward whose weights are read in place takes the GEMM core's streaming
+// blocking; the same sizes through transposed views (packed) keep the packed blocking, and so do
+// many rows. Valid either way.
+TEST(GatedLinearUnitConfigTest, FewRowForwardOnContiguousWeightsStreamsThem) {
+  CpuInfo cpu;
+  cpu.vendor = "amd";
+  cpu.family = 0x1a;
+  cpu.avx512bf16 = true;
+  GatedLinearUnitShape decode{4, 2048, 5632};
+  const StreamingBlocking streaming = InPlaceBlocking(4, DType::kFloat32, cpu);
+  for (const DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    decode.weights_in_place = true;
+    const GatedLinearUnitConfig in_place =
+        GatedLinearUnitHeuristicConfig(decode, dtype, cpu, GatedLinearUnitProduct::kForward);
+    EXPECT_EQ(in_place.block_k, streaming.block_k) << DTypeName(dtype);
+    EXPECT_EQ(in_place.block_n, streaming.block_n) << DTypeName(dtype);
+    EXPECT_TRUE(in_place.Validate().ok()) << in_place.Validate().message();
+    decode.weights_in_place = false;
+    const GatedLinearUnitConfig views = GatedLinearUnitHeuristicConfig(decode, dtype, cpu, GatedLinearUnitProduct::kForward);
+    EXPECT_EQ(views.block_k, 256) << DTypeName(dtype);
+    EXPECT_TRUE(views.Validate().ok()) << views.Validate().message();
+  }
+  // bf16 from one 16-row tile runs on the dot engine, which packs B: no streaming blocking.
+  const GatedLinearUnitShape tile_rows{32, 2048, 5632};
+  EXPECT_EQ(GatedLinearUnitHeuristicConfig(tile_rows, DType::kBFloat16, cpu, GatedLinearUnitProduct::kForward).block_k,
+            256);
+  const GatedLinearUnitShape many{4096, 2048, 5632};
+  EXPECT_EQ(GatedLinearUnitHeuristicConfig(many, DType::kFloat32, cpu, GatedLinearUnitProduct::kForward).block_k, 256);
+}
+
 TEST(GatedLinearUnitConfigTest, SpaceIsValidDistinctAndStartsWithTheHeuristic) {
   const GatedLinearUnitShape shape{4096, 2048, 5632};
   for (const auto product : {GatedLinearUnitProduct::kForward, GatedLinearUnitProduct::kBackward}) {

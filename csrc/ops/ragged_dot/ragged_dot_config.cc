@@ -108,8 +108,8 @@ namespace {
 
 // The heuristic config of a forward call with this shape.
 RaggedDotConfig HeuristicOfShape(const RaggedDotShape& shape, DType dtype, const CpuInfo& cpu) {
-  // B is widened to fp32 while packing, so the blocking is dtype-independent, except for the
-  // in-place depth on Intel below.
+  // B is widened to fp32 while packing, so the blocking is dtype-independent, except where B
+  // is read in place (InPlaceBlocking).
   RaggedDotConfig config;
   // block_k: a 16-wide fp32 B micro-panel of block_k rows must sit in L1 beside the A panel:
   // 256 * 16 * 4 B = 16 KiB of Zen 3's 32 KiB.
@@ -121,32 +121,18 @@ RaggedDotConfig HeuristicOfShape(const RaggedDotShape& shape, DType dtype, const
   // Multiples of 12 suit both the 6-row (avx2) and the 12-row (avx512) tiles.
   config.block_m = std::min(std::max<int64_t>(std::min<int64_t>(l2_rows, 144), kGemmMr),
                             RoundUp(rows, rows >= 2 * kGemmMr ? 2 * kGemmMr : kGemmMr));
-  // pack_b_min_rows: packing B pays off once a task reuses each B element for ~100 rows;
-  // below that the micro-kernel reads B in place (measured with avx2: 64-row groups run 1.2x
-  // faster in place, 1024-row groups 1.1x faster packed; with avx512 in place wins 1.1x too).
-  config.pack_b_min_rows = 96;
-  // TRANS_RHS reads rhs[g]ᵀ, whose columns are strided: B is always packed there.
+  config.pack_b_min_rows = kGemmPackBMinRows;
+  // TRANS_RHS reads rhs[g]ᵀ, whose columns are strided: B is always packed there. In place,
+  // the GEMM core's streaming blocking; packed, 512-wide blocks amortise packing A over more
+  // micro-panels (N = 1024 gives two column blocks per group).
   const bool in_place = rows < config.pack_b_min_rows && shape.form != RaggedDotForm::kTransRhs;
-  // block_n: wide blocks amortise packing A over more micro-panels; 512 columns unless N is
-  // smaller. E.g. N = 1024 gives two column blocks per group. Tiny groups (a few rows) stream
-  // B from memory, so they use 1024-wide blocks and shallow K slices that keep the rows of B
-  // being walked in flight together (M=64, G=16: 2.0x faster than 256-deep slices).
   const int64_t max_n = RoundUp(std::max<int64_t>(shape.n, 1), kGemmNr);
-  config.block_n = std::min<int64_t>(in_place && rows <= 2 * kGemmMr ? 1024 : 512, max_n);
-  // On Intel (Sapphire Rapids class, intel_model167_amx) groups of 13-95 rows stream B best in
-  // 64-deep slices: 128 rows of B in flight per panel overrun the prefetchers there (ragged_dot
-  // fp32 forward, 2 threads: 128 Zipf-sized groups 34.7 -> 28.6 ms, 256 groups 59.0 -> 43.0 ms,
-  // 64 equal groups unchanged; issue 22). Zen 4 keeps the 128 it was measured with, and so does
-  // bf16 where a bf16 engine runs it (AMX: 64 measured 2% slower, 128 Zipf groups).
-  const bool bf16_engine = dtype == DType::kBFloat16 && cpu.avx512bf16;
-  const int64_t in_place_depth = cpu.vendor == "intel" && !bf16_engine ? 64 : 128;
-  // Tiny groups on vdpbf16ps (a bf16 engine without AMX) want deep slices instead: each slice
-  // packs its B rows into VNNI panels first, and 32-deep slices pay that setup 8 times as often
-  // (amd_zen4_avx512bf16, M=64 K=2048 N=1024, 16 groups of 4, bf16 forward: 5.4-5.5 -> 4.9-5.0
-  // ms at 256, found by autotuning and re-timed; issue 22).
-  const bool dot_engine = bf16_engine && !(cpu.amx_tile && cpu.amx_bf16);
-  const int64_t tiny_depth = dot_engine ? 256 : 32;
-  if (in_place) config.block_k = rows <= 2 * kGemmMr ? tiny_depth : in_place_depth;
+  config.block_n = std::min<int64_t>(512, max_n);
+  if (in_place) {
+    const StreamingBlocking streaming = InPlaceBlocking(rows, dtype, cpu);
+    config.block_k = streaming.block_k;
+    config.block_n = std::min(streaming.block_n, max_n);
+  }
   // task_m: a whole group per task when that already gives kTargetTasks tasks, else halve.
   // E.g. M=8192, G=8, N=1024: 1024-row groups x 2 column blocks = 16 tasks of 1152 rows.
   const int64_t column_blocks = CeilDiv(std::max<int64_t>(shape.n, 1), config.block_n);
@@ -163,6 +149,7 @@ RaggedDotConfig HeuristicOfShape(const RaggedDotShape& shape, DType dtype, const
   // threads: amx 11.4-11.6 -> 9.8-10.1 ms, avx512bf16 31.5-32.1 -> 25.6-26.4 ms; issue 22).
   // Sharing one packed B among a group's tasks instead measured no faster (each task still
   // reads 1 MiB of packed panels from memory).
+  const bool bf16_engine = dtype == DType::kBFloat16 && cpu.avx512bf16;
   if (bf16_engine && groups * column_blocks >= kTargetTasks) {
     task_m = std::max(task_m, RoundUp(144, config.block_m));
   }
