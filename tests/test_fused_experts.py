@@ -125,6 +125,26 @@ def test_biases_activations_and_layouts(impl, act_fn, transposed):
     check_against_oracle(impl, args, kwargs, TOLERANCE[torch.float32], leaves)
 
 
+def test_decode_blocking_follows_the_weights_layout():
+    """16-bit weights read in place by decode-sized tasks get the GEMM core's streaming blocking;
+    transposed (Hugging Face) views are packed and keep the packed one; fp32 keeps it too. The
+    cache key tells the layouts apart."""
+    x = torch.randn(4, 256).bfloat16()
+    w1 = torch.randn(8, 256, 2 * 128).bfloat16()
+    w2 = torch.randn(8, 128, 256).bfloat16()
+    v1, v2 = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w1, w2))
+    ids = torch.randint(0, 8, (4, 2))
+    weights = torch.rand(4, 2)
+    contiguous = fe.kernel.get_configs(x, w1, w2, weights, ids)[0]
+    views = fe.kernel.get_configs(x, v1, v2, weights, ids)[0]
+    fp32 = fe.kernel.get_configs(x.float(), w1.float(), w2.float(), weights, ids)[0]
+    assert contiguous.block_k != views.block_k and views.block_k == fp32.block_k
+    assert fe.kernel.cache_key(x, w1, w2, weights, ids)["weights_in_place"] is True
+    assert fe.kernel.cache_key(x, v1, v2, weights, ids)["weights_in_place"] is False
+    torch.testing.assert_close(fe.kernel(x, w1, w2, weights, ids).float(), fe.kernel(x, v1, v2, weights, ids).float(),
+                               rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("num_threads", [1], indirect=True)
 def test_gradcheck_float64(num_threads):
     args, kwargs = problem(tokens=4, hidden=3, inter=2, experts=3, k=2, dtype=torch.float64,

@@ -57,6 +57,12 @@ def argument_spec(value) -> Any:
     return value
 
 
+def columns_contiguous(*weights) -> bool:
+    """Whether every weight's columns (last dim) are contiguous: a GEMM of few rows then reads it in
+    place, with its own blocking, so the cache keys of ops whose heuristic looks at it hold it."""
+    return all(w.shape[-1] <= 1 or w.stride(-1) == 1 for w in weights if w is not None)
+
+
 @dataclasses.dataclass(frozen=True)
 class ConfigRecord:
     """The config one kernel call ran with, as the C++ adapter resolved it (``record_configs``).

@@ -101,6 +101,11 @@ inline bool IsPlainCpu(const at::Tensor& t) {
          !t.unsafeGetTensorImpl()->is_python_dispatch();
 }
 
+// Whether a weight's columns (its last dim) are contiguous, so a GEMM of few rows can read it in
+// place rather than pack it: the heuristics' `weights_in_place` (fused [K, 2, N] or [E, H, 2I]
+// weights are; nn.Linear's transposed views are not).
+inline bool ColumnsContiguous(const at::Tensor& w) { return w.size(-1) <= 1 || w.stride(-1) == 1; }
+
 // Whether a backward can follow this call: grad mode on and an input requiring grad. Adapters
 // decide before their autograd Function (inside it grad mode is always off), so a call under
 // no_grad whose parameters still require grad (generation) runs the plain forward and saves

@@ -128,7 +128,9 @@ MoeConfigs CheckFusedMoeArgs(const Tensor& x, const Tensor& w1, const Tensor& w2
 }
 
 FusedExpertsShape ShapeOf(const Tensor& x, const Tensor& w1, const Tensor& w2, int64_t topk) {
-  return {x.size(0), x.size(1), w2.size(1), w1.size(0), topk};
+  FusedExpertsShape shape{x.size(0), x.size(1), w2.size(1), w1.size(0), topk};
+  shape.weights_in_place = ColumnsContiguous(w1) && ColumnsContiguous(w2);
+  return shape;
 }
 
 StridedView<2> OptionalView(const OptTensor& t) {

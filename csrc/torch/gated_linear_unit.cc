@@ -88,8 +88,7 @@ GatedLinearUnitShape ShapeOf(const Tensor& x, const Tensor& weights, const std::
   shape.n = weights.size(-1);
   shape.m = 1;
   for (int64_t d = 0; d + 1 < x.dim(); ++d) shape.m *= x.size(d);
-  const auto columns_contiguous = [&](const Tensor& w) { return w.size(-1) <= 1 || w.stride(-1) == 1; };
-  shape.weights_in_place = columns_contiguous(weights) && (!up_weights || columns_contiguous(*up_weights));
+  shape.weights_in_place = ColumnsContiguous(weights) && (!up_weights || ColumnsContiguous(*up_weights));
   return shape;
 }
 

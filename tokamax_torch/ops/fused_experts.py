@@ -89,8 +89,11 @@ class _FusedExperts(_op.Op):
         return super().real_argument(bound, name, value, generator)
 
     def cache_key_arguments(self, bound) -> dict:
-        """Sizes and dtype choose the config; act_fn and the biases cost the same."""
-        return {name: bound[name] for name in ("x", "w1", "w2", "topk_ids")}
+        """Sizes, dtype and whether the weights' columns are contiguous (a decode task reads them in
+        place, with its own blocking) choose the config; act_fn and the biases cost the same."""
+        key = {name: bound[name] for name in ("x", "w1", "w2", "topk_ids")}
+        key["weights_in_place"] = _op.columns_contiguous(bound["w1"], bound["w2"])
+        return key
 
 
 reference = _FusedExperts("reference", torch.ops.tokamax.fused_experts_reference.default)

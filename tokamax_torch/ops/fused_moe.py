@@ -63,8 +63,12 @@ class _FusedMoe(_op.Op):
         return super().real_argument(bound, name, value, generator)
 
     def cache_key_arguments(self, bound) -> dict:
-        """Sizes, dtype and topk choose the config; act_fn, renormalize and the biases cost the same."""
-        return {name: bound[name] for name in ("x", "w1", "w2", "gating", "topk")}
+        """Sizes, dtype, topk and whether the weights' columns are contiguous (a decode task reads
+        them in place, with its own blocking) choose the config; act_fn, renormalize and the
+        biases cost the same."""
+        key = {name: bound[name] for name in ("x", "w1", "w2", "gating", "topk")}
+        key["weights_in_place"] = _op.columns_contiguous(bound["w1"], bound["w2"])
+        return key
 
 
 reference = _FusedMoe("reference", torch.ops.tokamax.fused_moe_reference.default)

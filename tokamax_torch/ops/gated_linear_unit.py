@@ -84,8 +84,8 @@ class _GatedLinearUnit(_op.Op):
         them in place, with its own blocking) choose the config; the activation and the fused or
         paired form do not."""
         gate, up = _split_weights(bound["weights"])
-        in_place = all(w.shape[-1] <= 1 or w.stride(-1) == 1 for w in (gate, up) if w is not None)
-        return {"x": bound["x"], "k": gate.shape[0], "n": gate.shape[-1], "weights_in_place": in_place}
+        return {"x": bound["x"], "k": gate.shape[0], "n": gate.shape[-1],
+                "weights_in_place": _op.columns_contiguous(gate, up)}
 
     def real_argument(self, bound, name, value, generator):
         """A pair of weights becomes one fused tensor: the same kernels run, and the autotuner can

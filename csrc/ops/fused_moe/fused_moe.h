@@ -59,6 +59,9 @@ struct FusedExpertsShape {
   int64_t intermediate = 0;  // I
   int64_t experts = 0;       // E
   int64_t topk = 0;          // k
+  // w1's and w2's columns are contiguous (not Hugging Face's transposed views): an expert task of
+  // few rows reads them in place, which wants other blocking.
+  bool weights_in_place = true;
 };
 
 struct FusedExpertsParams {
