@@ -39,6 +39,11 @@ struct StreamingBlocking {
   int64_t block_n;  // columns of C per block (a gated product walks twice as many of B)
 };
 StreamingBlocking InPlaceBlocking(int64_t rows, DType dtype, const CpuInfo& cpu);
+// Whether such a product runs on the fp32 micro-kernels, B widened as it is read: every dtype but
+// bf16 on a CPU with a bf16 engine, whose regions from one 16-row tile pack B for the engine.
+inline bool InPlaceProductWidens(int64_t rows, DType dtype, const CpuInfo& cpu) {
+  return dtype != DType::kBFloat16 || !cpu.avx512bf16 || rows < kBf16TileRows;
+}
 
 // A rows x cols matrix; element (i, j) is at data + (i * row_stride + j * col_stride) elements.
 struct ConstMatrix {

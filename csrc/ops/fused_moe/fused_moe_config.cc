@@ -35,8 +35,8 @@ FusedExpertsConfig Heuristic(const FusedExpertsShape& call, DType dtype, const C
   // weights; T=32: 31.3 -> 24.7 ms). fp32 keeps 256 x 512: 32-deep slices measured 15.0 ->
   // 16.6 ms there (bandwidth-bound either way). Transposed views are packed: they keep it too.
   const bool sixteen_bit = dtype == DType::kBFloat16 || dtype == DType::kFloat16;
-  const bool widened = dtype != DType::kBFloat16 || !cpu.avx512bf16 || config.task_rows < kBf16TileRows;
-  if (call.weights_in_place && sixteen_bit && widened && config.task_rows < config.pack_b_min_rows) {
+  if (call.weights_in_place && sixteen_bit && config.task_rows < config.pack_b_min_rows &&
+      InPlaceProductWidens(config.task_rows, dtype, cpu)) {
     const StreamingBlocking streaming = InPlaceBlocking(config.task_rows, dtype, cpu);
     config.block_k = streaming.block_k;
     config.block_n = streaming.block_n;

@@ -60,8 +60,7 @@ GatedLinearUnitConfig HeuristicOfGemm(const ProductGemm& gemm, DType dtype, cons
   // 1.01-1.11 ms, eager 1.6-1.8 ms). Transposed views are packed, where 32-deep slices read
   // each weight row 64 bytes at a time (bf16 M=1-12: 2.6 -> 5.5-6.2 ms): they keep 256. bf16
   // rows from one 16-row tile run on the dot engine, which packs B (M=32: 3.8 -> 4.0 ms).
-  const bool widened_in_place = dtype != DType::kBFloat16 || !cpu.avx512bf16 || rows < kBf16TileRows;
-  if (gemm.gated && gemm.b_in_place && rows < kGemmPackBMinRows && widened_in_place) {
+  if (gemm.gated && gemm.b_in_place && rows < kGemmPackBMinRows && InPlaceProductWidens(rows, dtype, cpu)) {
     const StreamingBlocking streaming = InPlaceBlocking(rows, dtype, cpu);
     config.block_k = streaming.block_k;
     config.block_n = std::min(streaming.block_n, max_n);
