@@ -33,6 +33,14 @@ def _weight_argument(value: torch.Tensor, generator: torch.Generator) -> torch.T
     return out.copy_(torch.randn(value.shape, generator=generator))
 
 
+def _experts_cache_key(bound, names) -> dict:
+    """The named arguments, and whether w1's and w2's columns are contiguous (a decode task then
+    reads them in place, with its own blocking): fused_experts' and fused_moe's cache keys."""
+    key = {name: bound[name] for name in names}
+    key["weights_in_place"] = _op.columns_contiguous(bound["w1"], bound["w2"])
+    return key
+
+
 def _hf_weights(experts: int, hidden: int, inter: int, dtype: torch.dtype):
     """Meta w1, w2 as Hugging Face stores them (gate_up_proj, down_proj), transposed views."""
     meta = dict(device="meta", dtype=dtype)
@@ -91,9 +99,7 @@ class _FusedExperts(_op.Op):
     def cache_key_arguments(self, bound) -> dict:
         """Sizes, dtype and whether the weights' columns are contiguous (a decode task reads them in
         place, with its own blocking) choose the config; act_fn and the biases cost the same."""
-        key = {name: bound[name] for name in ("x", "w1", "w2", "topk_ids")}
-        key["weights_in_place"] = _op.columns_contiguous(bound["w1"], bound["w2"])
-        return key
+        return _experts_cache_key(bound, ("x", "w1", "w2", "topk_ids"))
 
 
 reference = _FusedExperts("reference", torch.ops.tokamax.fused_experts_reference.default)

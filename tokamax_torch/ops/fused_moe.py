@@ -17,7 +17,7 @@ import torch
 
 from tokamax_torch import _op
 from tokamax_torch import configs as _configs
-from tokamax_torch.ops.fused_experts import _hf_weights, _parse_shape, _weight_argument
+from tokamax_torch.ops.fused_experts import _experts_cache_key, _hf_weights, _parse_shape, _weight_argument
 
 #: Blocking of the CPU kernel; its fields come from ``tokamax::FusedMoeConfig``'s field list.
 Config = _configs.config_class("fused_moe", __name__, "Blocking of the fused_moe CPU kernel.")
@@ -66,9 +66,7 @@ class _FusedMoe(_op.Op):
         """Sizes, dtype, topk and whether the weights' columns are contiguous (a decode task reads
         them in place, with its own blocking) choose the config; act_fn, renormalize and the
         biases cost the same."""
-        key = {name: bound[name] for name in ("x", "w1", "w2", "gating", "topk")}
-        key["weights_in_place"] = _op.columns_contiguous(bound["w1"], bound["w2"])
-        return key
+        return _experts_cache_key(bound, ("x", "w1", "w2", "gating", "topk"))
 
 
 reference = _FusedMoe("reference", torch.ops.tokamax.fused_moe_reference.default)

@@ -93,7 +93,7 @@ class _GatedLinearUnit(_op.Op):
         if name == "weights" and isinstance(value, tuple):
             fused = torch.stack([super(_GatedLinearUnit, self).real_argument(bound, name, w, generator)
                                  for w in value], dim=1)
-            if self.cache_key_arguments(bound)["weights_in_place"]:
+            if _op.columns_contiguous(*value):
                 return fused
             # Columns strided like the pair's (nn.Linear's transposed views): the layout the
             # blocking was chosen for.
