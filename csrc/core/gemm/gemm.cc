@@ -94,7 +94,7 @@ namespace {
 
 // GemmRegion's slots of its ScratchLease: packed A/B panels and the tile accumulator (fp32),
 // the bf16 engines' operands.
-enum GemmScratchSlot : int { kAPack, kBPack, kBTail, kAcc, kABf16, kBVnni, kRowsBf16, kVnniBlock };
+enum GemmScratchSlot : int { kAPack, kBPack, kBTail, kAcc, kABf16, kBVnni, kRowsBf16, kVnniBlock, kARows };
 
 // Runs the micro-kernel on B read in place at element (k0, col), of B's own dtype.
 void MicroInPlace(const GemmKernels& kernels, const ConstMatrix& b, int64_t rows, int64_t depth, const float* a,
@@ -330,6 +330,58 @@ void GemmRegionBf16(const GemmKernels& kernels, const ConstMatrix& a, const Cons
   }
 }
 
+// B's columns contiguous along the depth (a transposed view), where rows are not.
+bool ColumnsAlongDepth(const ConstMatrix& m) { return m.row_stride == 1 && m.col_stride != 1; }
+
+// The column-dot form (kGemmDotMaxRows): A's rows widened to fp32 once, then every result of a
+// block_n-wide block one dot product of an A row with a B column read in place, into the tile
+// buffer the tier's store takes (a gated block: the gate's and up's nr-wide groups alternating).
+void GemmRegionDot(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c,
+                   int64_t m0, int64_t m1, int64_t n0, int64_t n1, const GemmBlocking& blocking,
+                   const GemmEpilogue& epilogue, const GemmPrologue& prologue, ScratchLease& scratch) {
+  const int64_t rows = m1 - m0, depth = a.cols, nr = kernels.nr;
+  const int64_t lda = RoundUp(std::max<int64_t>(depth, 1), 16);
+  float* a_rows = scratch.Get<float>(kARows, rows * lda);
+  kernels.widen_rows(a, m0, rows, prologue.a_row_map, a_rows, lda);
+  const GemmGate* gate = epilogue.gate;
+  auto dot = [&](const ConstMatrix& m, int64_t col, int64_t cols, float* out, int64_t ld) {
+    switch (m.dtype) {
+      case DType::kFloat32:
+        kernels.dot_f32(rows, cols, depth, a_rows, lda, static_cast<const float*>(m.data) + col * m.col_stride,
+                        m.col_stride, out, ld);
+        return;
+      case DType::kBFloat16:
+        kernels.dot_bf16(rows, cols, depth, a_rows, lda, static_cast<const uint16_t*>(m.data) + col * m.col_stride,
+                         m.col_stride, out, ld);
+        return;
+      case DType::kFloat16:
+        kernels.dot_f16(rows, cols, depth, a_rows, lda, static_cast<const uint16_t*>(m.data) + col * m.col_stride,
+                        m.col_stride, out, ld);
+        return;
+      case DType::kFloat64:  // never here: GemmRegion sends float64 to GemmRegionFloat64
+        return;
+    }
+  };
+  for (int64_t jc = n0; jc < n1; jc += blocking.block_n) {
+    const int64_t out_cols = std::min(blocking.block_n, n1 - jc);
+    const int64_t cols = gate != nullptr ? GatedPanels(out_cols, nr) * nr : out_cols;
+    const int64_t ld = RoundUp(cols, nr);
+    float* acc = scratch.Get<float>(kAcc, rows * ld);
+    if (gate == nullptr) {
+      dot(b, jc, out_cols, acc, ld);
+    } else {
+      // The short last pair's columns past out_cols are never read by the store; zeroed anyway.
+      std::fill(acc, acc + rows * ld, 0.0f);
+      for (int64_t q = 0; q < GatedPanels(out_cols, nr); ++q) {
+        const GatedPanel panel = GatedPanelOf(b, *gate, jc, out_cols, nr, q);
+        dot(*panel.b, panel.col, panel.cols, acc + q * nr, ld);
+      }
+    }
+    if (epilogue.accumulate) AddC(acc, ld, rows, out_cols, c, m0, jc, epilogue.row_map);
+    kernels.store_c(acc, ld, rows, out_cols, c, m0, jc, epilogue);
+  }
+}
+
 }  // namespace
 
 void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b,
@@ -357,6 +409,11 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
   const bool few_rows_in_place = b_read_in_place && m1 - m0 < kBf16TileRows && !tile_unit_takes_few;
   // Once per region: the lease's two mutex round trips are nothing beside the region's tiles.
   ScratchLease scratch;
+  if (!blocking.pack_b && m1 - m0 <= kGemmDotMaxRows && ColumnsAlongDepth(b) &&
+      (gate == nullptr || ColumnsAlongDepth(gate->up))) {
+    GemmRegionDot(kernels, a, b, c, m0, m1, n0, n1, blocking, epilogue, prologue, scratch);
+    return;
+  }
   if (kernels.bf16 && a.dtype == DType::kBFloat16 && b.dtype == DType::kBFloat16 &&
       (gate == nullptr || gate->up.dtype == DType::kBFloat16) && !few_rows_in_place) {
     GemmRegionBf16(kernels, a, b, c, m0, m1, n0, n1, blocking, epilogue, prologue, scratch);

@@ -31,6 +31,14 @@ constexpr int64_t kGemmNr = 16;
 // fused_experts at 4-token decode 1.16 -> 0.38 ms (amd_zen4_avx512bf16).
 constexpr int64_t kGemmPackBMinRows = 96;
 
+// A region of at most this many rows whose B is read in place (GemmBlocking::pack_b false) and
+// has its columns contiguous along the depth (a transposed view: an nn.Linear weight, the
+// experts of a Hugging Face MoE) takes the column-dot form: each result one dot product of an A
+// row with a B column, B read once in memory order with nothing packed. Packing such a B for a
+// decode-sized product cost twice the time of reading it (gated_linear_unit bf16 M=1-4, K=2048,
+// N=5632 on nn.Linear views: 2.7 ms against 1.4 ms on contiguous weights, amd_zen5_avx512bf16).
+constexpr int64_t kGemmDotMaxRows = 8;
+
 // Slice depth and column block of a product of `rows` rows (< kGemmPackBMinRows) that reads
 // B in place: such a product streams B from memory, so the blocking keeps the rows of B being
 // walked in flight together. The ops' heuristics take it for their in-place products.
@@ -132,7 +140,9 @@ struct GemmBlocking {
   int64_t block_m = 96;   // rows of A packed at once (multiple of kGemmMr)
   int64_t block_k = 256;  // depth of one packed slice of K
   int64_t block_n = 512;  // columns of B packed at once (multiple of kGemmNr)
-  bool pack_b = true;     // false: read B in place when its columns are contiguous
+  // false: read B in place, along its rows when they are contiguous, as columns (the column-dot
+  // form, kGemmDotMaxRows) when its columns are and the region is that short; else packed.
+  bool pack_b = true;
   // A gated product (GemmGate) packs 2 * RoundUp(block_n, GemmKernels::nr) columns of B and up
   // per block_n columns of C.
 };
@@ -167,6 +177,20 @@ struct GemmKernels {
   // col0 + g * nr + t of C combines acc[i * ld + 2 * g * nr + t] and acc[i * ld + (2 * g + 1) * nr + t].
   void (*store_c)(float* acc, int64_t ld, int64_t rows, int64_t cols, const MutableMatrix& c, int64_t row0,
                   int64_t col0, const GemmEpilogue& epilogue);
+  // The column-dot form: c[i * ldc + j] = sum_p a[i * lda + p] · B(p, j) for i < rows (1 <= rows
+  // <= kGemmDotMaxRows), j < cols, B's column j at b + j * ldb and contiguous along p, a fp32
+  // rows. Lane l of a vector sums the steps p = l (mod the tier's lanes) in order, then one fixed
+  // reduction: each result's bits depend on the depth and the tier only (not on block_k).
+  void (*dot_f32)(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t lda, const float* b,
+                  int64_t ldb, float* c, int64_t ldc);
+  void (*dot_bf16)(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t lda, const uint16_t* b,
+                   int64_t ldb, float* c, int64_t ldc);
+  void (*dot_f16)(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t lda, const uint16_t* b,
+                  int64_t ldb, float* c, int64_t ldc);
+  // dst[i * ld + p] = A(row(row0 + i), p) in fp32 for i < rows, p < A.cols (ld >= A.cols), row(x)
+  // = row_map[x] (GemmPrologue's gather) or x: the column-dot form's A.
+  void (*widen_rows)(const ConstMatrix& a, int64_t row0, int64_t rows, const int64_t* row_map, float* dst,
+                     int64_t ld);
   // The avx512bf16 and amx tiers: bf16 x bf16 products run on the tier's bf16 product engine
   // (bf16_gemm.h) instead of the fp32 micro-kernels; the tables are otherwise the avx512 tier's.
   Bf16Products bf16;

@@ -2,10 +2,11 @@
 // oracle built on ReferenceGemm: activation(scale·A·B + bias) · (scale·A·up + up_bias) with A read
 // through a row gather, C's rows scattered, the pre-activations written into a fused [M, 2, N]
 // buffer, tails of every tile and column group, B read packed, in place and as a transposed
-// view, and a region whose columns are written by two calls. The gated sums are the plain
+// view (in regions of kGemmDotMaxRows rows: the column-dot form), and a region whose columns are written by two calls. The gated sums are the plain
 // product's, bit for bit.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -112,8 +113,13 @@ TEST_P(GemmGatedTest, MatchesFloat64Oracle) {
       epilogue.row_map = c_row_map.data();
       epilogue.gate = &gate;
       const MutableMatrix cm{c.data(), dtype, m, n, n, 1};
-      GemmRegion(kernels, am, bm, cm, 0, m, 0, split, blocking, epilogue, gather);
-      GemmRegion(kernels, am, bm, cm, 0, m, split, n, blocking, epilogue, gather);
+      // Regions of kGemmDotMaxRows rows: on transposed views read in place, the column-dot form.
+      const int64_t region_rows = blocking.pack_b ? m : kGemmDotMaxRows;
+      for (int64_t r0 = 0; r0 < m; r0 += region_rows) {
+        const int64_t r1 = std::min(m, r0 + region_rows);
+        GemmRegion(kernels, am, bm, cm, r0, r1, 0, split, blocking, epilogue, gather);
+        GemmRegion(kernels, am, bm, cm, r0, r1, split, n, blocking, epilogue, gather);
+      }
       EXPECT_LE(testing::RelativeError(c, want, m * n), testing::Tolerance(dtype)) << where;
       Buffer got_gate(dtype, m * n), got_up(dtype, m * n);
       for (int64_t r = 0; r < m; ++r) {

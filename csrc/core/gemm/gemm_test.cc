@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -68,9 +69,38 @@ TEST_P(GemmTest, MatchesReferenceOnAwkwardShapes) {
   }
 }
 
+// B a transposed view read in place by a region of at most kGemmDotMaxRows rows: the column-dot
+// form. Every row count, depth tails, one column and column tails of each tile width; a row's
+// bits are the same whatever rows share its region and whatever block_n and block_k (which
+// the form ignores; packed, 7-deep slices would sum in another order) cut the product.
+TEST_P(GemmTest, ColumnDotFormMatchesReferenceAndKeepsEachRowsBits) {
+  const auto [isa, dtype] = GetParam();
+  if (!IsaSupported(isa, GetCpuInfo())) GTEST_SKIP() << IsaName(isa) << " not supported here";
+  for (int64_t m = 1; m <= kGemmDotMaxRows; ++m) {
+    for (const auto& [k, n] : std::initializer_list<std::pair<int64_t, int64_t>>{{1, 1}, {17, 9}, {300, 43}}) {
+      RunCase(isa, dtype, {m, k, n, false, true, false, {12, 7, 32, false}});
+    }
+  }
+  const int64_t m = kGemmDotMaxRows, k = 83, n = 45;
+  Buffer a(dtype, m * k), b(dtype, n * k);
+  testing::FillRandom(a, m * k, 4);
+  testing::FillRandom(b, n * k, 5);
+  const ConstMatrix am{a.data(), dtype, m, k, k, 1}, bm{b.data(), dtype, k, n, 1, k};
+  Buffer whole(dtype, m * n), single(dtype, m * n);
+  testing::Poison(whole, m * n);
+  testing::Poison(single, m * n);
+  const GemmKernels& kernels = GetGemmKernels(isa);
+  GemmRegion(kernels, am, bm, {whole.data(), dtype, m, n, n, 1}, 0, m, 0, n, {12, 256, 512, false});
+  for (int64_t i = 0; i < m; ++i) {
+    GemmRegion(kernels, am, bm, {single.data(), dtype, m, n, n, 1}, i, i + 1, 0, n, {12, 7, 16, false});
+  }
+  EXPECT_EQ(0, std::memcmp(whole.data(), single.data(), static_cast<size_t>(m * n * DTypeSize(dtype))));
+}
+
 TEST_P(GemmTest, ZeroDepthWritesZeros) {
   const auto [isa, dtype] = GetParam();
   RunCase(isa, dtype, {9, 0, 21, false, false, true, {12, 8, 32, true}});
+  RunCase(isa, dtype, {3, 0, 21, false, true, false, {12, 8, 32, false}});  // the column-dot form
 }
 
 TEST_P(GemmTest, SubRegionLeavesTheRestUntouched) {
