@@ -35,9 +35,10 @@ constexpr int64_t kGemmPackBMinRows = 96;
 // has its columns contiguous along the depth (a transposed view: an nn.Linear weight, the
 // experts of a Hugging Face MoE) takes the column-dot form: each result one dot product of an A
 // row with a B column, B read once in memory order with nothing packed. Packing such a B for a
-// decode-sized product cost twice the time of reading it (gated_linear_unit bf16 M=1-4, K=2048,
-// N=5632 on nn.Linear views: 2.7 ms against 1.4 ms on contiguous weights, amd_zen5_avx512bf16).
-constexpr int64_t kGemmDotMaxRows = 8;
+// decode-sized product cost twice the time of reading it (gated_linear_unit M=1-4, K=2048,
+// N=5632 on nn.Linear views, amd_zen5_avx512bf16, 2 threads: bf16 2.7 -> 1.1-1.5 ms, fp32 5.2 ->
+// 2.1-2.6 ms). At 8 rows (8 A vectors per 2 columns a step) it was no faster than packing.
+constexpr int64_t kGemmDotMaxRows = 4;
 
 // Slice depth and column block of a product of `rows` rows (< kGemmPackBMinRows) that reads
 // B in place: such a product streams B from memory, so the blocking keeps the rows of B being
