@@ -13,11 +13,15 @@ Bf16Products GetBf16Products(Isa isa) {
 #ifdef TOKAMAX_HAVE_AMX
   if (isa == Isa::kAmx) {
     products.gemm = AmxGemmBf16;
+    products.column_dots = ColumnDotsBf16;
     products.tile_unit = true;
   }
 #endif
 #ifdef TOKAMAX_HAVE_AVX512BF16
-  if (isa == Isa::kAvx512Bf16) products.gemm = DotGemmBf16;
+  if (isa == Isa::kAvx512Bf16) {
+    products.gemm = DotGemmBf16;
+    products.column_dots = ColumnDotsBf16;
+  }
 #endif
   return products;
 }
@@ -61,6 +65,9 @@ void CopyBf16(const uint16_t*, int64_t, int64_t, int64_t, int64_t, bool, uint16_
 void ConvertRowsBf16(const float*, int64_t, int64_t, int64_t, int64_t, uint16_t*, int64_t) { MissingTier(__func__, "avx512bf16"); }
 void PackVnniFromBf16Block(const uint16_t*, int64_t, uint16_t*) { MissingTier(__func__, "avx512bf16"); }
 void TransposeBf16(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*, int64_t) { MissingTier(__func__, "avx512bf16"); }
+void ColumnDotsBf16(int64_t, int64_t, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t) {
+  MissingTier(__func__, "avx512bf16");
+}
 #endif
 #ifndef TOKAMAX_HAVE_AMX
 AmxTileScope::AmxTileScope() { MissingTier(__func__, "amx"); }

@@ -30,10 +30,20 @@ constexpr int64_t kBf16TileDepth = 32;  // depth is a multiple of this
 using Bf16GemmFn = void (*)(int64_t m, int64_t n, int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b,
                             float* c, int64_t ldc, bool accumulate, float scale);
 
+// The column-dot form (gemm.h, kGemmDotMaxRows) of bf16 A and B on the dot instruction:
+// c[i * ldc + j] = sum_p A(i, p) B(p, j) for i < rows (1 <= rows <= 8), j < cols, p < depth, with
+// A(i, p) = a[i * lda + p] (zero from depth up to lda, a multiple of 32) and B(p, j) = b[j * ldb +
+// p], B's columns contiguous along p. Lane l sums the pairs p = 32s + 2l, 32s + 2l + 1 in order
+// of s (vdpbf16ps), then one fixed reduction: the bits depend on the depth only.
+using Bf16ColumnDotsFn = void (*)(int64_t rows, int64_t cols, int64_t depth, const uint16_t* a, int64_t lda,
+                                  const uint16_t* b, int64_t ldb, float* c, int64_t ldc);
+
 // A tier's bf16 product engine: `gemm` is null on tiers without one. `tile_unit` engines run
-// only inside a Bf16ProductScope.
+// only inside a Bf16ProductScope; `column_dots` (the AVX512-BF16 instruction, on both tiers)
+// needs none.
 struct Bf16Products {
   Bf16GemmFn gemm = nullptr;
+  Bf16ColumnDotsFn column_dots = nullptr;
   bool tile_unit = false;
   explicit operator bool() const { return gemm != nullptr; }
 };
@@ -57,6 +67,10 @@ class Bf16ProductScope {
 // The avx512bf16 engine (Bf16GemmFn's contract); needs AVX512-BF16 (IsaSupported(kAvx512Bf16)).
 void DotGemmBf16(int64_t m, int64_t n, int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b, float* c,
                  int64_t ldc, bool accumulate, float scale);
+
+// Bf16ColumnDotsFn's contract on vdpbf16ps; needs AVX512-BF16.
+void ColumnDotsBf16(int64_t rows, int64_t cols, int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b,
+                    int64_t ldb, float* c, int64_t ldc);
 
 // ---- operand packers: AVX-512 BW/BF16 code, callable on the avx512bf16 and amx tiers --------
 

@@ -98,6 +98,75 @@ void DotGemmBf16(int64_t m, int64_t n, int64_t depth, const uint16_t* a, int64_t
   }
 }
 
+namespace {
+
+// kRows x kCols column dots: each step loads 32 depth values of every column once and of every
+// row once, one vdpbf16ps per (row, column).
+template <int kRows, int kCols>
+void ColumnDotTile(int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb, float* c,
+                   int64_t ldc) {
+  __m512 acc[kRows * kCols];
+#pragma GCC unroll 24
+  for (int i = 0; i < kRows * kCols; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + 32 <= depth; p += 32) {
+    __m512bh column[kCols];
+#pragma GCC unroll 8
+    for (int j = 0; j < kCols; ++j) column[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + j * ldb + p));
+#pragma GCC unroll 8
+    for (int i = 0; i < kRows; ++i) {
+      const __m512bh row = reinterpret_cast<__m512bh>(_mm512_loadu_si512(a + i * lda + p));
+#pragma GCC unroll 8
+      for (int j = 0; j < kCols; ++j) acc[i * kCols + j] = _mm512_dpbf16_ps(acc[i * kCols + j], row, column[j]);
+    }
+  }
+  if (p < depth) {  // B's tail read under a mask (zeros past the depth); A is zero-padded to lda
+    const __mmask32 mask = (__mmask32{1} << (depth - p)) - 1;
+    __m512bh column[kCols];
+#pragma GCC unroll 8
+    for (int j = 0; j < kCols; ++j) {
+      column[j] = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, b + j * ldb + p));
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < kRows; ++i) {
+      const __m512bh row = reinterpret_cast<__m512bh>(_mm512_loadu_si512(a + i * lda + p));
+#pragma GCC unroll 8
+      for (int j = 0; j < kCols; ++j) acc[i * kCols + j] = _mm512_dpbf16_ps(acc[i * kCols + j], row, column[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < kRows; ++i) {
+#pragma GCC unroll 8
+    for (int j = 0; j < kCols; ++j) c[i * ldc + j] = _mm512_reduce_add_ps(acc[i * kCols + j]);
+  }
+}
+
+// Columns in groups that keep at most 24 accumulators (of 32 registers), the rest one by one.
+template <int kRows>
+void ColumnDotRows(int64_t cols, int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
+                   float* c, int64_t ldc) {
+  constexpr int kCols = std::clamp(24 / kRows, 1, 8);
+  int64_t j = 0;
+  for (; j + kCols <= cols; j += kCols) ColumnDotTile<kRows, kCols>(depth, a, lda, b + j * ldb, ldb, c + j, ldc);
+  for (; j < cols; ++j) ColumnDotTile<kRows, 1>(depth, a, lda, b + j * ldb, ldb, c + j, ldc);
+}
+
+}  // namespace
+
+void ColumnDotsBf16(int64_t rows, int64_t cols, int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b,
+                    int64_t ldb, float* c, int64_t ldc) {
+  switch (rows) {
+    case 1: return ColumnDotRows<1>(cols, depth, a, lda, b, ldb, c, ldc);
+    case 2: return ColumnDotRows<2>(cols, depth, a, lda, b, ldb, c, ldc);
+    case 3: return ColumnDotRows<3>(cols, depth, a, lda, b, ldb, c, ldc);
+    case 4: return ColumnDotRows<4>(cols, depth, a, lda, b, ldb, c, ldc);
+    case 5: return ColumnDotRows<5>(cols, depth, a, lda, b, ldb, c, ldc);
+    case 6: return ColumnDotRows<6>(cols, depth, a, lda, b, ldb, c, ldc);
+    case 7: return ColumnDotRows<7>(cols, depth, a, lda, b, ldb, c, ldc);
+    default: return ColumnDotRows<8>(cols, depth, a, lda, b, ldb, c, ldc);
+  }
+}
+
 void PackVnniFromRows(const float* x, int64_t ld, int64_t rows, int64_t depth, int64_t n, uint16_t* dst) {
   const __m512i interleave = InterleaveOrder();
   const __m512 zero = _mm512_setzero_ps();

@@ -333,17 +333,32 @@ void GemmRegionBf16(const GemmKernels& kernels, const ConstMatrix& a, const Cons
 // B's columns contiguous along the depth (a transposed view), where rows are not.
 bool ColumnsAlongDepth(const ConstMatrix& m) { return m.row_stride == 1 && m.col_stride != 1; }
 
-// The column-dot form (kGemmDotMaxRows): A's rows widened to fp32 once, then every result of a
+// The column-dot form (kGemmDotMaxRows): A's rows copied once (bf16 for the bf16 engine's
+// column dots where A, B and up are all bf16; else widened to fp32), then every result of a
 // block_n-wide block one dot product of an A row with a B column read in place, into the tile
 // buffer the tier's store takes (a gated block: the gate's and up's nr-wide groups alternating).
 void GemmRegionDot(const GemmKernels& kernels, const ConstMatrix& a, const ConstMatrix& b, const MutableMatrix& c,
                    int64_t m0, int64_t m1, int64_t n0, int64_t n1, const GemmBlocking& blocking,
                    const GemmEpilogue& epilogue, const GemmPrologue& prologue, ScratchLease& scratch) {
   const int64_t rows = m1 - m0, depth = a.cols, nr = kernels.nr;
-  const int64_t lda = RoundUp(std::max<int64_t>(depth, 1), 16);
-  float* a_rows = scratch.Get<float>(kARows, rows * lda);
-  kernels.widen_rows(a, m0, rows, prologue.a_row_map, a_rows, lda);
   const GemmGate* gate = epilogue.gate;
+  const bool bf16_dots = kernels.bf16.column_dots != nullptr && a.dtype == DType::kBFloat16 &&
+                         b.dtype == DType::kBFloat16 && (gate == nullptr || gate->up.dtype == DType::kBFloat16);
+  const int64_t lda = RoundUp(std::max<int64_t>(depth, 1), kBf16TileDepth);
+  float* a_rows = nullptr;
+  uint16_t* a_bf16 = nullptr;
+  if (bf16_dots) {
+    a_bf16 = scratch.Get<uint16_t>(kABf16, rows * lda);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t row = prologue.a_row_map != nullptr ? prologue.a_row_map[m0 + i] : m0 + i;
+      CopyBf16(static_cast<const uint16_t*>(a.data) + row * a.row_stride, a.row_stride, a.col_stride, 1, depth,
+               /*transpose=*/false, a_bf16 + i * lda, lda);
+      std::fill(a_bf16 + i * lda + depth, a_bf16 + (i + 1) * lda, uint16_t{0});
+    }
+  } else {
+    a_rows = scratch.Get<float>(kARows, rows * lda);
+    kernels.widen_rows(a, m0, rows, prologue.a_row_map, a_rows, lda);
+  }
   auto dot = [&](const ConstMatrix& m, int64_t col, int64_t cols, float* out, int64_t ld) {
     switch (m.dtype) {
       case DType::kFloat32:
@@ -351,8 +366,13 @@ void GemmRegionDot(const GemmKernels& kernels, const ConstMatrix& a, const Const
                         m.col_stride, out, ld);
         return;
       case DType::kBFloat16:
-        kernels.dot_bf16(rows, cols, depth, a_rows, lda, static_cast<const uint16_t*>(m.data) + col * m.col_stride,
-                         m.col_stride, out, ld);
+        if (bf16_dots) {
+          kernels.bf16.column_dots(rows, cols, depth, a_bf16, lda,
+                                   static_cast<const uint16_t*>(m.data) + col * m.col_stride, m.col_stride, out, ld);
+        } else {
+          kernels.dot_bf16(rows, cols, depth, a_rows, lda, static_cast<const uint16_t*>(m.data) + col * m.col_stride,
+                           m.col_stride, out, ld);
+        }
         return;
       case DType::kFloat16:
         kernels.dot_f16(rows, cols, depth, a_rows, lda, static_cast<const uint16_t*>(m.data) + col * m.col_stride,

@@ -38,7 +38,7 @@ constexpr int64_t kGemmPackBMinRows = 96;
 // decode-sized product cost twice the time of reading it (gated_linear_unit M=1-4, K=2048,
 // N=5632 on nn.Linear views, amd_zen5_avx512bf16, 2 threads: bf16 2.7 -> 1.1-1.5 ms, fp32 5.2 ->
 // 2.1-2.6 ms). At 8 rows (8 A vectors per 2 columns a step) it was no faster than packing.
-constexpr int64_t kGemmDotMaxRows = 4;
+constexpr int64_t kGemmDotMaxRows = 8;
 
 // Slice depth and column block of a product of `rows` rows (< kGemmPackBMinRows) that reads
 // B in place: such a product streams B from memory, so the blocking keeps the rows of B being
