@@ -179,7 +179,7 @@ def test_weights_read_in_place_or_packed_in_either_layout_give_the_same_bits(dty
     """pack_b_min_rows picks per task between multiplying the weights in place and packing them.
     Packed weights of either layout, and contiguous rows read in place, sum in block_k's order, so
     they keep their bits. Weights whose columns are contiguous (Hugging Face's transposed views;
-    in the backward, the transpose of contiguous weights) read in place by a task of at most 4 rows
+    in the backward, the transpose of contiguous weights) read in place by a task of at most 8 rows
     take the GEMM core's column-dot form (one dot product per result, nothing packed: 2x faster at
     decode), which sums in another order: those match, within the tolerance, not bit for bit.
     (bf16 is left out: its few-row tasks leave the dot engine for fp32 widening, by design.)"""
