@@ -34,10 +34,10 @@ constexpr int64_t kGemmPackBMinRows = 96;
 // A region of at most this many rows whose B is read in place (GemmBlocking::pack_b false) and
 // has its columns contiguous along the depth (a transposed view: an nn.Linear weight, the
 // experts of a Hugging Face MoE) takes the column-dot form: each result one dot product of an A
-// row with a B column, B read once in memory order with nothing packed. Packing such a B for a
-// decode-sized product cost twice the time of reading it (gated_linear_unit M=1-4, K=2048,
-// N=5632 on nn.Linear views, amd_zen5_avx512bf16, 2 threads: bf16 2.7 -> 1.1-1.5 ms, fp32 5.2 ->
-// 2.1-2.6 ms). At 8 rows (8 A vectors per 2 columns a step) it was no faster than packing.
+// row with a B column, B read once in memory order with nothing packed (bf16 x bf16 on the bf16
+// engine's column dots where the tier has them). Packing such a B for a decode-sized product
+// cost twice the time of reading it (gated_linear_unit on nn.Linear views, K=2048, N=5632,
+// amd_zen5_avx512bf16, 2 threads: bf16 M=1/4/8 2.7 -> 0.8/1.1/1.8 ms, fp32 5.2 -> 1.7/2.5/4.6).
 constexpr int64_t kGemmDotMaxRows = 8;
 
 // Slice depth and column block of a product of `rows` rows (< kGemmPackBMinRows) that reads
