@@ -495,8 +495,26 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
         float* a_pack = scratch.Get<float>(kAPack, RoundUp(block_rows, mr) * depth);
         kernels.pack_a(a, ic, block_rows, pc, depth, prologue.a_row_map, a_pack);
         float* acc_block = acc + (ic - m0) * cols_padded;
+        // A few-row block on an fp32 B read in place: its whole panels in wide runs of B's rows
+        // (the same bits), so the loop below has only the packed tail panel left.
+        int64_t first_panel = 0;
+        if (in_place_b && block_rows <= kGemmWideRows && kernels.wide_f32 != nullptr && full_panels > 0 &&
+            b.dtype == DType::kFloat32 && (gate == nullptr || gate->up.dtype == DType::kFloat32)) {
+          const float* b_block = static_cast<const float*>(b.data) + pc * b.row_stride + jc;
+          if (gate == nullptr) {
+            kernels.wide_f32(block_rows, full_panels * nr, depth, a_pack, mr, b_block, b.row_stride, acc_block,
+                             cols_padded, nr, accumulate);
+          } else {  // the gate's groups at even panels, up's at odd ones
+            const float* up_block = static_cast<const float*>(gate->up.data) + pc * gate->up.row_stride + jc;
+            kernels.wide_f32(block_rows, full_panels / 2 * nr, depth, a_pack, mr, b_block, b.row_stride, acc_block,
+                             cols_padded, 2 * nr, accumulate);
+            kernels.wide_f32(block_rows, full_panels / 2 * nr, depth, a_pack, mr, up_block, gate->up.row_stride,
+                             acc_block + nr, cols_padded, 2 * nr, accumulate);
+          }
+          first_panel = full_panels;
+        }
 
-        for (int64_t jr = 0; jr < cols; jr += nr) {
+        for (int64_t jr = first_panel * nr; jr < cols; jr += nr) {
           const int64_t panel = jr / nr;
           for (int64_t ir = 0; ir < block_rows; ir += mr) {
             const float* a_panel = a_pack + ir * depth;

@@ -39,6 +39,13 @@ constexpr int64_t kGemmPackBMinRows = 96;
 // cost twice the time of reading it (gated_linear_unit on nn.Linear views, K=2048, N=5632,
 // amd_zen5_avx512bf16, 2 threads: bf16 M=1/4/8 2.7 -> 0.8/1.1/1.8 ms, fp32 5.2 -> 1.7/2.5/4.6).
 constexpr int64_t kGemmDotMaxRows = 8;
+// Blocks of at most this many rows on an fp32 B read in place along its rows take
+// GemmKernels::wide_f32 (the same bits as the micro-kernel): fp32 decode reads B in runs of up to
+// 1 KiB a row instead of 128 bytes (amd_zen5_avx512bf16, 2 threads, one process, min of 10-15:
+// fused_experts E=60 top-4 H=2048 I=1408 at 1/4/16 tokens 4.29/14.7/47.6 -> 3.53/12.4/39.7 ms,
+// gated_linear_unit K=2048 N=5632 M=1/2 2.79/2.87 -> 2.03/2.25 ms, M=4 unchanged). 16-bit B
+// measured 2-16% slower on fused_experts that way and keeps the micro-kernel.
+constexpr int64_t kGemmWideRows = 4;
 
 // Slice depth and column block of a product of `rows` rows (< kGemmPackBMinRows) that reads
 // B in place: such a product streams B from memory, so the blocking keeps the rows of B being
@@ -188,6 +195,13 @@ struct GemmKernels {
                    int64_t ldb, float* c, int64_t ldc);
   void (*dot_f16)(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t lda, const uint16_t* b,
                   int64_t ldb, float* c, int64_t ldc);
+  // A few-row tile of an fp32 B read in place, wide: c(i, j) (+)= sum_p a[p * lda + i] · b[p * ldb
+  // + j] for i < rows (<= kGemmWideRows), j < cols (whole nr-wide panels), the result of column j
+  // at c + (j / nr) * group_stride + j % nr + i * ldc (a gated block interleaves its groups). Each
+  // element sums in micro_f32's order (its bits), but a B row is read as one run of up to 16
+  // vectors per step instead of one panel's two: null on the scalar tier.
+  void (*wide_f32)(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t lda, const float* b,
+                   int64_t ldb, float* c, int64_t ldc, int64_t group_stride, bool accumulate);
   // dst[i * ld + p] = A(row(row0 + i), p) in fp32 for i < rows, p < A.cols (ld >= A.cols), row(x)
   // = row_map[x] (GemmPrologue's gather) or x: the column-dot form's A.
   void (*widen_rows)(const ConstMatrix& a, int64_t row0, int64_t rows, const int64_t* row_map, float* dst,

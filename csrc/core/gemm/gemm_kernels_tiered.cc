@@ -138,6 +138,82 @@ void MicroTile(int64_t rows, int64_t depth, const float* a, int64_t lda, const T
   }
   MicroKernel<kMr, kForm>(depth, a, lda, b, ldb, c, ldc, accumulate);
 }
+
+// GemmKernels::wide_f32: kRows x (kVecs * kLanes) blocks, each element an FMA chain down the
+// depth from zero (then added to c when accumulating), as MicroKernel's: the same bits. A block
+// reads kVecs vectors of one B row a step, and asks for the row's next block (into L1) and for
+// its own columns kWideDownRows rows down (into L2: the next 32-deep slice), as MicroKernel's
+// few-row tiles do.
+constexpr int64_t kWideDownRows = 32;
+template <int64_t kRows, int64_t kVecs, typename T>
+[[gnu::always_inline]] inline void WideBlock(int64_t depth, const float* a, int64_t lda, const T* b, int64_t ldb,
+                                             float* c, int64_t ldc, int64_t group_stride, bool accumulate) {
+  Vec acc[kRows * kVecs];
+#pragma GCC unroll 24
+  for (int64_t i = 0; i < kRows * kVecs; ++i) acc[i] = Zero();
+  constexpr int64_t kLines = (kVecs * kLanes * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  for (int64_t p = 0; p < depth; ++p) {
+    const T* row = b + p * ldb;
+    {
+      const char* ahead = reinterpret_cast<const char*>(row + kVecs * kLanes);
+      const char* down = reinterpret_cast<const char*>(row + kWideDownRows * ldb);
+#pragma GCC unroll 16
+      for (int64_t l = 0; l < kLines; ++l) {
+        _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+        _mm_prefetch(down + 64 * l, _MM_HINT_T1);
+      }
+    }
+    Vec v[kVecs];
+#pragma GCC unroll 16
+    for (int64_t q = 0; q < kVecs; ++q) v[q] = LoadWiden(row + q * kLanes);
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < kRows; ++i) {
+      const Vec x = Set1(a[p * lda + i]);
+#pragma GCC unroll 16
+      for (int64_t q = 0; q < kVecs; ++q) acc[i * kVecs + q] = Fma(x, v[q], acc[i * kVecs + q]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < kRows; ++i) {
+#pragma GCC unroll 16
+    for (int64_t q = 0; q < kVecs; ++q) {
+      const int64_t j = q * kLanes;
+      float* dst = c + i * ldc + (j / kNr) * group_stride + j % kNr;
+      Vec x = acc[i * kVecs + q];
+      if (accumulate) x = Add(x, Load(dst));
+      Store(dst, x);
+    }
+  }
+}
+
+template <int64_t kRows, typename T>
+void WideRows(int64_t cols, int64_t depth, const float* a, int64_t lda, const T* b, int64_t ldb, float* c,
+              int64_t ldc, int64_t group_stride, bool accumulate) {
+  constexpr int64_t kPanelVecs = kNr / kLanes;
+  // As many panels as keep 3/2 of the tier's accumulator budget (24 of 32 zmm, 12 of 16 ymm), at
+  // most 16 vectors: 1 row reads 256 fp32 columns of a B row a step, 4 rows 96.
+  constexpr int64_t kVecs =
+      std::min<int64_t>(16, std::max<int64_t>(kAccumulatorRegisters * 3 / 2 / kRows / kPanelVecs, 1) * kPanelVecs);
+  int64_t j = 0;
+  for (; j + kVecs * kLanes <= cols; j += kVecs * kLanes) {
+    WideBlock<kRows, kVecs>(depth, a, lda, b + j, ldb, c + (j / kNr) * group_stride, ldc, group_stride, accumulate);
+  }
+  for (; j < cols; j += kNr) {
+    WideBlock<kRows, kPanelVecs>(depth, a, lda, b + j, ldb, c + (j / kNr) * group_stride, ldc, group_stride,
+                                 accumulate);
+  }
+}
+
+void WideF32(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t lda, const float* b, int64_t ldb,
+             float* c, int64_t ldc, int64_t group_stride, bool accumulate) {
+  switch (rows) {
+    case 1: return WideRows<1>(cols, depth, a, lda, b, ldb, c, ldc, group_stride, accumulate);
+    case 2: return WideRows<2>(cols, depth, a, lda, b, ldb, c, ldc, group_stride, accumulate);
+    case 3: return WideRows<3>(cols, depth, a, lda, b, ldb, c, ldc, group_stride, accumulate);
+    default: return WideRows<4>(cols, depth, a, lda, b, ldb, c, ldc, group_stride, accumulate);
+  }
+}
+static_assert(kGemmWideRows == 4, "WideF32 dispatches 1 to 4 rows");
 #endif
 
 }  // namespace gemm
@@ -145,14 +221,14 @@ void MicroTile(int64_t rows, int64_t depth, const float* a, int64_t lda, const T
 const GemmKernels& GemmKernelTable(FmaBroadcastForm form) {
   using namespace gemm;
 #if defined(TOKAMAX_TIER_SCALAR)
-  static const GemmKernels kernels = TOKAMAX_GEMM_KERNELS(MicroScalar);
+  static const GemmKernels kernels = TOKAMAX_GEMM_KERNELS(MicroScalar, nullptr);
 #elif defined(TOKAMAX_TIER_AVX2)
   // One form: the 6 x 16 tile's 12 embedded broadcasts already reach the 256-bit FMA peak (Intel
   // Xeon model 167, L1-resident panels: 111 GFLOP/s a core in either form).
-  static const GemmKernels kernels = TOKAMAX_GEMM_KERNELS(MicroTile<FmaBroadcastForm::kEmbedded>);
+  static const GemmKernels kernels = TOKAMAX_GEMM_KERNELS(MicroTile<FmaBroadcastForm::kEmbedded>, &WideF32);
 #else
-  static const GemmKernels embedded = TOKAMAX_GEMM_KERNELS(MicroTile<FmaBroadcastForm::kEmbedded>);
-  static const GemmKernels shared = TOKAMAX_GEMM_KERNELS(MicroTile<FmaBroadcastForm::kRegister>);
+  static const GemmKernels embedded = TOKAMAX_GEMM_KERNELS(MicroTile<FmaBroadcastForm::kEmbedded>, &WideF32);
+  static const GemmKernels shared = TOKAMAX_GEMM_KERNELS(MicroTile<FmaBroadcastForm::kRegister>, &WideF32);
   const GemmKernels& kernels = form == FmaBroadcastForm::kRegister ? shared : embedded;
 #endif
   (void)form;

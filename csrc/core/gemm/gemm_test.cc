@@ -97,6 +97,33 @@ TEST_P(GemmTest, ColumnDotFormMatchesReferenceAndKeepsEachRowsBits) {
   EXPECT_EQ(0, std::memcmp(whole.data(), single.data(), static_cast<size_t>(m * n * DTypeSize(dtype))));
 }
 
+// A few-row block on B read in place along its rows (GemmKernels::wide_f32 for fp32, the
+// micro-kernel otherwise) keeps the bits of the packed product: 1 to 8 rows, 16-deep slices
+// (accumulated), whole panels and a 4-wide tail. (fp32 products are inexact, so a changed order
+// of sums shows; bf16 ones of these inputs may sum exactly.)
+TEST_P(GemmTest, FewRowsInPlaceKeepThePackedBits) {
+  const auto [isa, dtype] = GetParam();
+  if (!IsaSupported(isa, GetCpuInfo())) GTEST_SKIP() << IsaName(isa) << " not supported here";
+  if (dtype == DType::kBFloat16 && GetGemmKernels(isa).bf16) {
+    GTEST_SKIP() << "packed bf16 runs on the tier's bf16 engine, another order of sums by design";
+  }
+  const int64_t k = 37, n = 100;
+  for (int64_t m = 1; m <= 2 * kGemmWideRows; ++m) {
+    Buffer a(dtype, m * k), b(dtype, k * n);
+    testing::FillRandom(a, m * k, 6);
+    testing::FillRandom(b, k * n, 7);
+    const ConstMatrix am{a.data(), dtype, m, k, k, 1}, bm{b.data(), dtype, k, n, n, 1};
+    Buffer packed(dtype, m * n), in_place(dtype, m * n);
+    testing::Poison(packed, m * n);
+    testing::Poison(in_place, m * n);
+    const GemmKernels& kernels = GetGemmKernels(isa);
+    GemmRegion(kernels, am, bm, {packed.data(), dtype, m, n, n, 1}, 0, m, 0, n, {12, 16, 512, true});
+    GemmRegion(kernels, am, bm, {in_place.data(), dtype, m, n, n, 1}, 0, m, 0, n, {12, 16, 512, false});
+    EXPECT_EQ(0, std::memcmp(packed.data(), in_place.data(), static_cast<size_t>(m * n * DTypeSize(dtype))))
+        << "m=" << m;
+  }
+}
+
 TEST_P(GemmTest, ZeroDepthWritesZeros) {
   const auto [isa, dtype] = GetParam();
   RunCase(isa, dtype, {9, 0, 21, false, false, true, {12, 8, 32, true}});
