@@ -348,13 +348,8 @@ void GemmRegionDot(const GemmKernels& kernels, const ConstMatrix& a, const Const
   float* a_rows = nullptr;
   uint16_t* a_bf16 = nullptr;
   if (bf16_dots) {
-    a_bf16 = scratch.Get<uint16_t>(kABf16, rows * lda);
-    for (int64_t i = 0; i < rows; ++i) {
-      const int64_t row = prologue.a_row_map != nullptr ? prologue.a_row_map[m0 + i] : m0 + i;
-      CopyBf16(static_cast<const uint16_t*>(a.data) + row * a.row_stride, a.row_stride, a.col_stride, 1, depth,
-               /*transpose=*/false, a_bf16 + i * lda, lda);
-      std::fill(a_bf16 + i * lda + depth, a_bf16 + (i + 1) * lda, uint16_t{0});
-    }
+    a_bf16 = scratch.Get<uint16_t>(kABf16, RoundUp(rows, kBf16TileRows) * lda);
+    PackABf16(a, m0, rows, 0, depth, prologue.a_row_map, a_bf16, lda);
   } else {
     a_rows = scratch.Get<float>(kARows, rows * lda);
     kernels.widen_rows(a, m0, rows, prologue.a_row_map, a_rows, lda);
