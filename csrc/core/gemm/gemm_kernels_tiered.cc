@@ -37,6 +37,10 @@ constexpr bool kPrefetchAccumulatedTile = true;
 #include "csrc/core/gemm/gemm_kernels.inc"
 
 #if !defined(TOKAMAX_TIER_SCALAR)
+// How far down B a few-row product read in place asks for its columns' next lines (into L2):
+// one 32-deep slice, the in-place blocking of decode-sized products (InPlaceBlocking).
+constexpr int64_t kDownRows = 32;
+
 // kRows x kNr tile (kRows <= kMr), two vectors per row. Accumulators are named variables, not
 // arrays: with arrays GCC spilled accumulators to the stack (measured 81% of the FMA peak
 // against 97%). Rows past kRows are compiled out.
@@ -106,7 +110,6 @@ void MicroKernel(int64_t depth, const float* a, int64_t lda, const T* b, int64_t
           // of 3-4: ragged_dot M=64 K=2048 N=1024, 16 groups of 4, fp32 6.9-7.6 -> 4.4-4.7 ms,
           // bf16 4.9-5.2 -> 3.3-4.0 ms; gated_linear_unit M=4 K=2048 N=5632 0-13% faster;
           // fused_experts at 4 tokens within noise. Not measured on Intel.
-          constexpr int64_t kDownRows = 32;
           const char* down = reinterpret_cast<const char*>(b + (p + u + kDownRows) * ldb);
           _mm_prefetch(down, _MM_HINT_T1);
           if constexpr (kPanelBytes > 64) _mm_prefetch(down + 64, _MM_HINT_T1);
@@ -142,21 +145,19 @@ void MicroTile(int64_t rows, int64_t depth, const float* a, int64_t lda, const T
 // GemmKernels::wide_f32: kRows x (kVecs * kLanes) blocks, each element an FMA chain down the
 // depth from zero (then added to c when accumulating), as MicroKernel's: the same bits. A block
 // reads kVecs vectors of one B row a step, and asks for the row's next block (into L1) and for
-// its own columns kWideDownRows rows down (into L2: the next 32-deep slice), as MicroKernel's
-// few-row tiles do.
-constexpr int64_t kWideDownRows = 32;
-template <int64_t kRows, int64_t kVecs, typename T>
-[[gnu::always_inline]] inline void WideBlock(int64_t depth, const float* a, int64_t lda, const T* b, int64_t ldb,
+// its own columns kDownRows rows down (into L2: the next slice), as MicroKernel's few-row tiles do.
+template <int64_t kRows, int64_t kVecs>
+[[gnu::always_inline]] inline void WideBlock(int64_t depth, const float* a, int64_t lda, const float* b, int64_t ldb,
                                              float* c, int64_t ldc, int64_t group_stride, bool accumulate) {
   Vec acc[kRows * kVecs];
 #pragma GCC unroll 24
   for (int64_t i = 0; i < kRows * kVecs; ++i) acc[i] = Zero();
-  constexpr int64_t kLines = (kVecs * kLanes * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  constexpr int64_t kLines = (kVecs * kLanes * static_cast<int64_t>(sizeof(float)) + 63) / 64;
   for (int64_t p = 0; p < depth; ++p) {
-    const T* row = b + p * ldb;
+    const float* row = b + p * ldb;
     {
       const char* ahead = reinterpret_cast<const char*>(row + kVecs * kLanes);
-      const char* down = reinterpret_cast<const char*>(row + kWideDownRows * ldb);
+      const char* down = reinterpret_cast<const char*>(row + kDownRows * ldb);
 #pragma GCC unroll 16
       for (int64_t l = 0; l < kLines; ++l) {
         _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
@@ -186,8 +187,8 @@ template <int64_t kRows, int64_t kVecs, typename T>
   }
 }
 
-template <int64_t kRows, typename T>
-void WideRows(int64_t cols, int64_t depth, const float* a, int64_t lda, const T* b, int64_t ldb, float* c,
+template <int64_t kRows>
+void WideRows(int64_t cols, int64_t depth, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
               int64_t ldc, int64_t group_stride, bool accumulate) {
   constexpr int64_t kPanelVecs = kNr / kLanes;
   // As many panels as keep 3/2 of the tier's accumulator budget (24 of 32 zmm, 12 of 16 ymm), at
