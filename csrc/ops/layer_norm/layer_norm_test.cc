@@ -114,7 +114,21 @@ TEST_P(LayerNormTest, BackwardSumsAreFixedOrder) {
       want_db[c] += dy.Get(r * kRowStride + c);
     }
   }
+  // In one block the partials are the final sums: each column adds the rows in order, in fp32,
+  // dy * xhat fused into the add (the scalar tier's a * b + c may be left unfused by the compiler).
+  std::vector<float> ordered_ds(kCols, 0.0f), unfused_ds(kCols, 0.0f), ordered_db(kCols, 0.0f);
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t c = 0; c < kCols; ++c) {
+      const float d = static_cast<float>(dy.Get(r * kRowStride + c));
+      const float xhat = (static_cast<float>(x.Get(r * kRowStride + c)) - mean[r]) * rstd[r];
+      ordered_ds[c] = std::fma(d, xhat, ordered_ds[c]);
+      const volatile float product = d * xhat;  // volatile: kept unfused
+      unfused_ds[c] = product + unfused_ds[c];
+      ordered_db[c] += d;
+    }
+  }
   const LayerNormShape shape{kRows, kCols};
+  bool checked_order = false;
   for (const LayerNormConfig& config : LayerNormConfigSpace(shape, dtype, GetCpuInfo(), LayerNormProduct::kBackward)) {
     std::vector<float> ds[2], db[2];
     for (int run = 0; run < 2; ++run) {
@@ -132,7 +146,17 @@ TEST_P(LayerNormTest, BackwardSumsAreFixedOrder) {
       EXPECT_NEAR(ds[0][c], want_ds[c], 1e-4 * (1 + std::fabs(want_ds[c])));
       EXPECT_NEAR(db[0][c], want_db[c], 1e-4 * (1 + std::fabs(want_db[c])));
     }
+    if (config.block_rows >= kRows && dtype != DType::kFloat64) {
+      checked_order = true;
+      for (int64_t c = 0; c < kCols; ++c) {
+        const bool fused = std::memcmp(&ds[0][c], &ordered_ds[c], 4) == 0;
+        const bool unfused = isa == Isa::kScalar && std::memcmp(&ds[0][c], &unfused_ds[c], 4) == 0;
+        EXPECT_TRUE(fused || unfused) << "dscale column " << c << ": rows not added in order";
+      }
+      EXPECT_EQ(std::memcmp(db[0].data(), ordered_db.data(), kCols * 4), 0) << "doffset: rows not added in order";
+    }
   }
+  if (dtype != DType::kFloat64) EXPECT_TRUE(checked_order) << "no config puts all the rows in one block";
 }
 
 std::string ParamName(const ::testing::TestParamInfo<std::tuple<Isa, DType, bool>>& info) {
