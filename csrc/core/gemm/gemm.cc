@@ -118,26 +118,6 @@ void MicroInPlace(const GemmKernels& kernels, const ConstMatrix& b, int64_t rows
   }
 }
 
-// acc[i * ld + j] += C(row(row0 + i), col0 + j), read in fp32 (GemmEpilogue::accumulate): the
-// block's products start from C's values before the tier's store runs its epilogue.
-void AddC(float* acc, int64_t ld, int64_t rows, int64_t cols, const MutableMatrix& c, int64_t row0, int64_t col0,
-          const int64_t* row_map) {
-  DispatchDType(c.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    for (int64_t i = 0; i < rows; ++i) {
-      const int64_t row = row_map != nullptr ? row_map[row0 + i] : row0 + i;
-      const T* src = static_cast<const T*>(c.data) + row * c.row_stride + col0 * c.col_stride;
-      float* dst = acc + i * ld;
-      if (c.col_stride == 1) {
-        for (int64_t j = 0; j < cols; ++j) dst[j] += LoadAsFloat(src + j);
-      } else {
-        for (int64_t j = 0; j < cols; ++j) dst[j] += LoadAsFloat(src + j * c.col_stride);
-      }
-    }
-    return 0;
-  });
-}
-
 // A GemmEpilogue's elementwise part in double (the float64 path).
 double Epilogue(const GemmEpilogue& e, double x, int64_t col) {
   x = e.scale * x;
@@ -325,7 +305,6 @@ void GemmRegionBf16(const GemmKernels& kernels, const ConstMatrix& a, const Cons
                     acc + (ic - m0) * cols_padded, cols_padded, pc > 0, 1.0f);
       }
     }
-    if (epilogue.accumulate) AddC(acc, cols_padded, rows, out_cols, c, m0, jc, epilogue.row_map);
     kernels.store_c(acc, cols_padded, rows, out_cols, c, m0, jc, epilogue);
   }
 }
@@ -392,7 +371,6 @@ void GemmRegionDot(const GemmKernels& kernels, const ConstMatrix& a, const Const
         dot(*panel.b, panel.col, panel.cols, acc + q * nr, ld);
       }
     }
-    if (epilogue.accumulate) AddC(acc, ld, rows, out_cols, c, m0, jc, epilogue.row_map);
     kernels.store_c(acc, ld, rows, out_cols, c, m0, jc, epilogue);
   }
 }
@@ -531,7 +509,6 @@ void GemmRegion(const GemmKernels& kernels, const ConstMatrix& a, const ConstMat
         }
       }
     }
-    if (epilogue.accumulate) AddC(acc, cols_padded, rows, out_cols, c, m0, jc, epilogue.row_map);
     kernels.store_c(acc, cols_padded, rows, out_cols, c, m0, jc, epilogue);
   }
 }
