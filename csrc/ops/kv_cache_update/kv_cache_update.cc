@@ -1,4 +1,5 @@
-// The kv_cache_update CPU kernel: tokens in parallel, each token's 2*Hkv rows copied with memcpy.
+// The kv_cache_update CPU kernel: tokens in parallel, each token's 2*Hkv rows copied with memcpy
+// (with non-temporal stores for updates larger than the caches).
 #include "csrc/ops/kv_cache_update/kv_cache_update.h"
 
 #include <algorithm>
@@ -6,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "csrc/core/base/streaming.h"
 #include "csrc/core/runtime/parallel.h"
 
 namespace tokamax {
@@ -98,6 +100,25 @@ Status KvCacheUpdate(const KvCacheUpdateParams& p) {
   auto slot_row = [=](int64_t slot) {
     return cache + (slot / page_size) * page_stride + (slot % page_size) * slot_stride;
   };
+  // A prefill larger than the caches: rows written with non-temporal stores (prefill of 32768
+  // tokens into a bf16 cache, 128 MiB, amd_zen5_avx512bf16, 2 threads: 8.6 -> 5.2 ms in slot
+  // order, 11.6 -> 6.6 ms in random slots); smaller updates keep the cached copy, whose rows the
+  // attention that follows reads (decode of 64 tokens 10.5 us cached against 15.7 streamed).
+  const bool stream = p.slots.count * token_bytes >= kStreamOutputBytes && k2 == 1 && v2 == 1 &&
+                      StreamCopyAligned(cache, row_bytes) && head_stride % 16 == 0 && slot_stride % 16 == 0 &&
+                      page_stride % 16 == 0;
+  auto stream_tokens = [=](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      char* dst = slot_row(slot);
+      for (int64_t h = 0; h < heads; ++h) {
+        StreamCopy(dst + 2 * h * head_stride, keys + t * k0 + h * k1, row_bytes);
+        StreamCopy(dst + (2 * h + 1) * head_stride, values + t * v0 + h * v1, row_bytes);
+      }
+    }
+    StreamCopyFence();
+  };
   auto copy_tokens = [=](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t];
@@ -124,7 +145,11 @@ Status KvCacheUpdate(const KvCacheUpdateParams& p) {
   };
   // ~64 KiB written per task: enough to pay for a task, fine enough to spread decode batches.
   const int64_t grain = std::max<int64_t>(1, (int64_t{64} << 10) / token_bytes);
-  ParallelFor(0, p.slots.count, grain, copy_tokens);
+  if (stream) {
+    ParallelFor(0, p.slots.count, grain, stream_tokens);
+  } else {
+    ParallelFor(0, p.slots.count, grain, copy_tokens);
+  }
   return Status::Ok();
 }
 

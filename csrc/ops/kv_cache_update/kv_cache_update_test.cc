@@ -4,10 +4,14 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "csrc/core/base/int_math.h"
+#include "csrc/core/base/streaming.h"
 #include "csrc/core/base/test_util.h"
+#include "csrc/core/runtime/parallel.h"
 
 namespace tokamax {
 namespace {
@@ -86,6 +90,45 @@ TEST(KvCacheUpdateTest, WritesExactlyTheSlotsOfEveryDtype) {
     }
   }
   SetParallelBackend(nullptr);
+}
+
+// An update from kStreamOutputBytes on takes the non-temporal copy: the same bits in the written
+// slots, every other slot (and the skipped tokens') untouched, on two threads.
+TEST(KvCacheUpdateTest, UpdatesLargerThanTheCachesAreExact) {
+  constexpr int64_t kBigHeads = 8, kBigD = 128, kBigPageSize = 16;
+  constexpr int64_t kRow = 2 * kBigHeads * kBigD;  // bf16 elements per slot
+  const int64_t tokens = kStreamOutputBytes / (kRow * 2) + 37;
+  const int64_t pages = CeilDiv(tokens + 100, kBigPageSize), num_slots = pages * kBigPageSize;
+  std::vector<uint16_t> cache(static_cast<size_t>(num_slots * kRow));
+  std::vector<uint16_t> keys(static_cast<size_t>(tokens * kBigHeads * kBigD)), values(keys.size());
+  for (size_t i = 0; i < cache.size(); ++i) cache[i] = static_cast<uint16_t>(i * 7 + 1);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    keys[i] = static_cast<uint16_t>(i * 13 + 2);
+    values[i] = static_cast<uint16_t>(i * 17 + 3);
+  }
+  // Slots in a scattered order (a stride coprime to num_slots), every 50th token padding.
+  std::vector<int64_t> slots(static_cast<size_t>(tokens));
+  for (int64_t t = 0; t < tokens; ++t) slots[t] = t % 50 == 7 ? -1 : (t * 7919) % num_slots;
+  std::vector<uint16_t> want = cache;
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slots[t] < 0) continue;
+    for (int64_t h = 0; h < kBigHeads; ++h) {
+      std::memcpy(&want[(slots[t] * 2 * kBigHeads + 2 * h) * kBigD], &keys[(t * kBigHeads + h) * kBigD], kBigD * 2);
+      std::memcpy(&want[(slots[t] * 2 * kBigHeads + 2 * h + 1) * kBigD], &values[(t * kBigHeads + h) * kBigD],
+                  kBigD * 2);
+    }
+  }
+  KvCacheUpdateParams params;
+  params.cache = {cache.data(), DType::kBFloat16, {pages, kBigPageSize, 2 * kBigHeads, kBigD},
+                  {kBigPageSize * kRow, kRow, kBigD, 1}};
+  params.keys = {keys.data(), DType::kBFloat16, {tokens, kBigHeads, kBigD}, {kBigHeads * kBigD, kBigD, 1}};
+  params.values = {values.data(), DType::kBFloat16, {tokens, kBigHeads, kBigD}, {kBigHeads * kBigD, kBigD, 1}};
+  params.slots = {slots.data(), true, tokens, 1};
+  SetParallelBackend(&testing::TwoThreadBackend);
+  const Status status = KvCacheUpdate(params);
+  SetParallelBackend(nullptr);
+  ASSERT_TRUE(status.ok()) << status.message();
+  EXPECT_TRUE(cache == want);
 }
 
 TEST(KvCacheUpdateTest, BadSlotsAreErrorsAndWriteNothing) {

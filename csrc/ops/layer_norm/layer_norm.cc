@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "csrc/core/base/int_math.h"
+#include "csrc/core/base/streaming.h"
 #include "csrc/core/runtime/large_buffer.h"
 #include "csrc/core/runtime/parallel.h"
 #include "csrc/core/vec/tiers.h"
@@ -62,10 +63,6 @@ std::vector<Acc> Widen(const StridedView<1>& v, int64_t cols, double add) {
 
 template <typename Acc>
 const Acc* DataOrNull(const std::vector<Acc>& v) { return v.empty() ? nullptr : v.data(); }
-
-// Outputs from this size on are written past the caches (a last-level cache's worth of a
-// 2-core slice of a server part is ~16-32 MiB).
-constexpr int64_t kStreamOutputBytes = int64_t{32} << 20;
 
 // Calls block(b, first_row, last_row) for every block of block_rows rows, in parallel.
 template <typename Block>
