@@ -156,7 +156,9 @@ TEST_P(LayerNormTest, BackwardSumsAreFixedOrder) {
       EXPECT_EQ(std::memcmp(db[0].data(), ordered_db.data(), kCols * 4), 0) << "doffset: rows not added in order";
     }
   }
-  if (dtype != DType::kFloat64) EXPECT_TRUE(checked_order) << "no config puts all the rows in one block";
+  if (dtype != DType::kFloat64) {
+    EXPECT_TRUE(checked_order) << "no config puts all the rows in one block";
+  }
 }
 
 std::string ParamName(const ::testing::TestParamInfo<std::tuple<Isa, DType, bool>>& info) {
