@@ -108,20 +108,9 @@ void ColumnDotTile(int64_t depth, const uint16_t* a, int64_t lda, const uint16_t
   __m512 acc[kRows * kCols];
 #pragma GCC unroll 24
   for (int i = 0; i < kRows * kCols; ++i) acc[i] = _mm512_setzero_ps();
-  int64_t p = 0;
-  for (; p + 32 <= depth; p += 32) {
-    __m512bh column[kCols];
-#pragma GCC unroll 8
-    for (int j = 0; j < kCols; ++j) column[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + j * ldb + p));
-#pragma GCC unroll 8
-    for (int i = 0; i < kRows; ++i) {
-      const __m512bh row = reinterpret_cast<__m512bh>(_mm512_loadu_si512(a + i * lda + p));
-#pragma GCC unroll 8
-      for (int j = 0; j < kCols; ++j) acc[i * kCols + j] = _mm512_dpbf16_ps(acc[i * kCols + j], row, column[j]);
-    }
-  }
-  if (p < depth) {  // B's tail read under a mask (zeros past the depth); A is zero-padded to lda
-    const __mmask32 mask = (__mmask32{1} << (depth - p)) - 1;
+  // One step of 32 depth values; B's tail read under `mask` (zeros past the depth), A is
+  // zero-padded to lda.
+  auto step = [&](int64_t p, __mmask32 mask) {
     __m512bh column[kCols];
 #pragma GCC unroll 8
     for (int j = 0; j < kCols; ++j) {
@@ -133,7 +122,10 @@ void ColumnDotTile(int64_t depth, const uint16_t* a, int64_t lda, const uint16_t
 #pragma GCC unroll 8
       for (int j = 0; j < kCols; ++j) acc[i * kCols + j] = _mm512_dpbf16_ps(acc[i * kCols + j], row, column[j]);
     }
-  }
+  };
+  int64_t p = 0;
+  for (; p + 32 <= depth; p += 32) step(p, ~__mmask32{0});
+  if (p < depth) step(p, (__mmask32{1} << (depth - p)) - 1);
 #pragma GCC unroll 8
   for (int i = 0; i < kRows; ++i) {
 #pragma GCC unroll 8
