@@ -176,6 +176,38 @@ def test_bits_do_not_depend_on_task_shape():
         assert bits_equal(out, results[0][0]) and bits_equal(lse, results[0][2])
 
 
+@pytest.mark.parametrize("strided_cache", [False, True], ids=["contiguous-cache", "strided-cache"])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 40, "soft_cap": 3.0}, {"mask_value": -5.0}],
+                         ids=["plain", "window-soft-cap", "mask-value"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_threads", [1, 3], indirect=True)
+def test_staged_rows_change_no_bits(num_threads, dtype, options, strided_cache):
+    # stage_rows copies each tile's rows before the passes read them: every task staged (8192) or
+    # none (0) gives the same bits, on a cache whose merged heads are adjacent (one copy per token
+    # row) and on one whose are not (a copy per head row); decode tiles cross 16-token pages.
+    args = problem(q_lens=(1, 1, 5, 3), kv_lens=(300, 70, 41, 90), pages_per_seq=19, page_size=16, q_heads=8,
+                   kv_heads=2, d=32, dtype=dtype)
+    if strided_cache:
+        padded = torch.full((*args[3].shape[:3], 2 * args[3].shape[3]), float("nan"), dtype=dtype)
+        padded[..., :32] = args[3]
+    results = []
+    for stage_rows in (0, 8192, 8):
+        fresh = tuple(a.clone() for a in args)
+        if strided_cache:  # clone() of a strided view is contiguous: keep the padded strides
+            fresh = (*fresh[:3], padded.clone()[..., :32], *fresh[4:])
+            assert fresh[3].stride(2) == 64
+        configs = with_fields(args, stage_rows=stage_rows, gemm_min_tokens=0)
+        out, cache, lse = rpa.kernel(*fresh, return_lse=True, configs=configs, **options)
+        results.append((out, cache, lse))
+    for out, cache, lse in results[1:]:
+        assert bits_equal(out, results[0][0]) and bits_equal(lse, results[0][2])
+        assert bits_equal(cache, results[0][1])
+    want_out, _, want_lse = oracle(*(a.clone() for a in args), **options)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(results[1][0].double(), want_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(results[1][2].double(), want_lse, rtol=tol, atol=tol)
+
+
 def test_padding_tokens_and_inactive_sequences_are_untouched():
     # Sequence 2 is inactive (distribution[2] = 2): its token is padding, its pages keep their bits.
     args = problem(q_lens=(1, 4, 2), kv_lens=(5, 9, 6), distribution=(1, 1, 2), padding=3)

@@ -2,7 +2,8 @@
 // its query rows (tokens x query heads, kv head by kv head) walk the visible keys in tiles of
 // block_kv positions, page by page, in runs of kRunKeys keys with every kv head of a run before
 // the next run, so a page's rows are read in memory order and each K or V row once per task for
-// every query head of its group (GQA reuse). The row products are attention's (key_dots /
+// every query head of its group (GQA reuse); tasks of few rows per kv head (decode) first copy
+// each tile's rows into a contiguous scratch (stage_rows). The row products are attention's (key_dots /
 // accumulate_values, one table per ISA tier) and the online softmax its softmax pieces, fp32.
 // A sequence of one query tile (decode) is split every split_kv keys into tasks whose partial
 // (max, sum, acc) merge in split order: the split depends on the config, never on the thread
@@ -35,7 +36,7 @@ constexpr const char* kOp = "ragged_paged_attention";
 constexpr int64_t kRunKeys = 16;
 constexpr int64_t kRows = attention::kMaxRowDotRows;
 
-enum ScratchSlots { kQRows, kQBf16Rows, kSt, kAcc, kMax, kSum, kSub, kAlpha, kTileMax, kLo, kHi };
+enum ScratchSlots { kQRows, kQBf16Rows, kSt, kAcc, kMax, kSum, kSub, kAlpha, kTileMax, kLo, kHi, kStaged };
 
 std::string Str(int64_t v) { return std::to_string(v); }
 
@@ -159,15 +160,36 @@ void RunTask(const RaggedPagedAttentionParams& p, const RaggedPagedAttentionConf
     all_lo = std::max(all_lo, lo);
     all_hi = std::min(all_hi, hi);
   }
-  const int64_t ld = p.kv_cache.strides[1];
   const DType kv_dtype = p.kv_cache.dtype;
   // The row of key position `pos` of merged head `merged` (2h: K of kv head h, 2h + 1: its V).
   auto row_at = [&](int64_t pos, int64_t merged) -> const void* {
     return p.kv_cache.At(p.page_indices[task.seq * pages_per_seq + pos / page_size], pos % page_size, merged, 0);
   };
+  // Staging (tasks of few rows per kv head, where the passes wait on memory): each tile's rows of
+  // the task's merged heads [2 g0, 2 g1) are first copied in memory order, token row by token row,
+  // into `staged` [block, 2 * heads, D]; the passes then read the copy. Walked in place, a head's
+  // rows are a 4-8 KiB stride that the hardware prefetchers follow past the page's end into
+  // whatever page lies next in memory (another sequence's: measured slower than any in-order
+  // layout, docs/benchmarks.md). The copy holds the same values, so the bits do not change.
+  const int64_t element = DTypeSize(kv_dtype), span = 2 * heads * d;
+  const bool staged_rows = config.stage_rows > 0 && per_head <= config.stage_rows;
+  char* staged = staged_rows ? Scratch<char>(lease, kStaged, block * span * element) : nullptr;
+  const int64_t ld = staged_rows ? span : p.kv_cache.strides[1];
+  auto stage_tile = [&](int64_t s0, int64_t s1) {
+    for (int64_t pos = s0; pos < s1; ++pos) {
+      char* dst = staged + (pos - s0) * span * element;
+      if (p.kv_cache.strides[2] == d) {  // the merged heads of a token row adjacent: one copy
+        std::memcpy(dst, row_at(pos, 2 * task.g0), static_cast<size_t>(span * element));
+        continue;
+      }
+      for (int64_t m = 0; m < 2 * heads; ++m) {
+        std::memcpy(dst + m * d * element, row_at(pos, 2 * task.g0 + m), static_cast<size_t>(d * element));
+      }
+    }
+  };
   // for_runs(s0, s1, which, run): run(g, rows, keys, st row, pos) for every run of kRunKeys keys
   // at position pos of the tile [s0, s1) (runs stop at page ends), every kv head of a run before
-  // the next run.
+  // the next run; the rows are the staged copy's when the task stages.
   auto for_runs = [&](int64_t s0, int64_t s1, int64_t which, auto&& run) {
     for (int64_t pos = s0; pos < s1;) {
       const int64_t page = pos / page_size, offset = pos % page_size;
@@ -176,7 +198,10 @@ void RunTask(const RaggedPagedAttentionParams& p, const RaggedPagedAttentionConf
       for (int64_t j0 = 0; j0 < n; j0 += kRunKeys) {
         const int64_t keys = std::min(kRunKeys, n - j0);
         for (int64_t g = task.g0; g < task.g1; ++g) {
-          run(g, p.kv_cache.At(physical, offset + j0, 2 * g + which, 0), keys, pos - s0 + j0, pos + j0);
+          const void* rows_at =
+              staged_rows ? static_cast<const void*>(staged + ((pos + j0 - s0) * span + (2 * (g - task.g0) + which) * d) * element)
+                          : p.kv_cache.At(physical, offset + j0, 2 * g + which, 0);
+          run(g, rows_at, keys, pos - s0 + j0, pos + j0);
         }
       }
       pos += n;
@@ -188,13 +213,15 @@ void RunTask(const RaggedPagedAttentionParams& p, const RaggedPagedAttentionConf
   // the fill buffers): each run the head's next run, the K pass's last run the tile's first V
   // run, the V pass's last run the next tile's first K run (dot_product_attention's row path
   // order). run_rows(from, end, n, merged): the first of n rows from position `from` when they
-  // lie before `end` in one page (one stride apart), else null (no request).
+  // lie before `end` in one page (one stride apart), else null (no request; none when staging:
+  // the passes read the copy, and the copy reads memory in order).
   auto run_rows = [&](int64_t from, int64_t end, int64_t n, int64_t merged) -> const void* {
-    if (from + n > end || from % page_size + n > page_size) return nullptr;
+    if (staged_rows || from + n > end || from % page_size + n > page_size) return nullptr;
     return row_at(from, merged);
   };
   for (int64_t t0 = k_lo / block * block; t0 < k_hi; t0 += block) {
     const int64_t s0 = std::max(t0, k_lo), s1 = std::min(t0 + block, k_hi), keys = s1 - s0;
+    if (staged_rows) stage_tile(s0, s1);
     for_runs(s0, s1, 0, [&](int64_t g, const void* key, int64_t n, int64_t j, int64_t pos) {
       const void* next = pos + n < s1 ? run_rows(pos + n, s1, n, 2 * g) : run_rows(s0, s1, n, 2 * g + 1);
       const int64_t base = (g - task.g0) * per_head;

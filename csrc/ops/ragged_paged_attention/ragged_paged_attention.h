@@ -29,7 +29,7 @@ namespace tokamax {
 
 // block_kv and split_kv change the bits (where the online softmax rescales; where a sequence's
 // keys are cut into partial results), gemm_min_tokens too (which kernel a sequence runs);
-// q_tile_tokens and task_rows only which rows share a task.
+// q_tile_tokens and task_rows only which rows share a task, stage_rows only where the rows are read.
 #define TOKAMAX_RAGGED_PAGED_ATTENTION_CONFIG_FIELDS(X)                                                  \
   X(block_kv, 64, 8, 2048, 8, "keys per online-softmax tile, at multiples of block_kv positions")       \
   X(q_tile_tokens, 32, 1, 4096, 1, "query tokens of one sequence per task")                            \
@@ -38,7 +38,10 @@ namespace tokamax {
     "keys per split of a sequence of one query tile (0: no split), merged in a fixed order")             \
   X(gemm_min_tokens, 32, 0, 1 << 30, 1,                                                                 \
     "sequences of at least this many query tokens (0: none) run dot_product_attention's GEMM kernel "    \
-    "on their gathered pages")
+    "on their gathered pages")                                                                           \
+  X(stage_rows, 4, 0, 8192, 1,                                                                          \
+    "tasks of at most this many query rows per kv head (0: none) copy each tile's K/V rows into a "     \
+    "contiguous scratch, in memory order, before reading them")
 #define TOKAMAX_RAGGED_PAGED_ATTENTION_PRODUCTS(X) X(kForward, "forward")
 
 struct RaggedPagedAttentionConfig {

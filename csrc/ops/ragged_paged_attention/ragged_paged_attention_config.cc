@@ -24,7 +24,6 @@ Status RaggedPagedAttentionConfig::ValidateCrossFields() const {
 
 RaggedPagedAttentionConfig RaggedPagedAttentionHeuristicConfig(const RaggedPagedAttentionShape& shape, DType dtype,
                                                                const CpuInfo& cpu, RaggedPagedAttentionProduct) {
-  (void)dtype;
   RaggedPagedAttentionConfig config;
   const int64_t group = shape.kv_heads > 0 ? std::max<int64_t>(1, shape.q_heads / shape.kv_heads) : 1;
   // 32 keys: a tile's V rows, asked for during its K pass, are still in L2 when the V pass reads
@@ -50,6 +49,12 @@ RaggedPagedAttentionConfig RaggedPagedAttentionHeuristicConfig(const RaggedPaged
   // and ~600 bf16 (benchmarks/ragged_paged_attention.py, docs/benchmarks.md); the gather of the
   // sequence's pages costs one read of its cache.
   config.gemm_min_tokens = 32;
+  // Tasks whose passes wait on memory stage their tiles (stops the stride prefetchers running past
+  // scattered pages; docs/benchmarks.md). The products' work per byte of K/V is rows / element
+  // size: staging gained at up to 2 rows a byte (Zen 5, 16-token pages, staged / in place: 4 rows
+  // bf16 1.32x, 8 rows fp32 1.06-1.20x), was even at 4 (8 rows bf16 0.96-1.01x) and cost 5-17% at
+  // 16 rows, where the products bound.
+  config.stage_rows = 2 * DTypeSize(dtype);
   config.split_kv = std::min<int64_t>(config.split_kv, ConfigFieldNamed<RaggedPagedAttentionConfig>("split_kv").max /
                                                            config.block_kv * config.block_kv);
   return config;
@@ -65,13 +70,16 @@ std::vector<RaggedPagedAttentionConfig> RaggedPagedAttentionConfigSpace(const Ra
     for (int64_t split_kv : {int64_t{0}, heuristic.split_kv, int64_t{512}}) {
       for (int64_t task_rows : {int64_t{32}, heuristic.task_rows}) {
         for (int64_t gemm_min_tokens : {heuristic.gemm_min_tokens, int64_t{0}}) {
-          RaggedPagedAttentionConfig config = heuristic;
-          config.block_kv = block_kv;
-          config.split_kv = split_kv;
-          config.task_rows = task_rows;
-          config.gemm_min_tokens = gemm_min_tokens;
-          if (!config.Validate().ok() || !seen.insert(config.ToVector()).second) continue;
-          space.push_back(config);
+          for (int64_t stage_rows : {heuristic.stage_rows, int64_t{0}}) {
+            RaggedPagedAttentionConfig config = heuristic;
+            config.block_kv = block_kv;
+            config.split_kv = split_kv;
+            config.task_rows = task_rows;
+            config.gemm_min_tokens = gemm_min_tokens;
+            config.stage_rows = stage_rows;
+            if (!config.Validate().ok() || !seen.insert(config.ToVector()).second) continue;
+            space.push_back(config);
+          }
         }
       }
     }
