@@ -9,6 +9,7 @@
 
 #include "csrc/core/gemm/bf16_gemm.h"
 #include "csrc/core/base/dtype.h"
+#include "csrc/core/base/int_math.h"
 #include "csrc/core/runtime/scratch_arena.h"
 #include "csrc/core/vec/vec.h"  // Exp: the softmax tiers' polynomial, bit for bit
 
@@ -147,16 +148,7 @@ void ColumnDotRows(int64_t cols, int64_t depth, const uint16_t* a, int64_t lda, 
 
 void ColumnDotsBf16(int64_t rows, int64_t cols, int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b,
                     int64_t ldb, float* c, int64_t ldc) {
-  switch (rows) {
-    case 1: return ColumnDotRows<1>(cols, depth, a, lda, b, ldb, c, ldc);
-    case 2: return ColumnDotRows<2>(cols, depth, a, lda, b, ldb, c, ldc);
-    case 3: return ColumnDotRows<3>(cols, depth, a, lda, b, ldb, c, ldc);
-    case 4: return ColumnDotRows<4>(cols, depth, a, lda, b, ldb, c, ldc);
-    case 5: return ColumnDotRows<5>(cols, depth, a, lda, b, ldb, c, ldc);
-    case 6: return ColumnDotRows<6>(cols, depth, a, lda, b, ldb, c, ldc);
-    case 7: return ColumnDotRows<7>(cols, depth, a, lda, b, ldb, c, ldc);
-    default: return ColumnDotRows<8>(cols, depth, a, lda, b, ldb, c, ldc);
-  }
+  DispatchRows<8>(rows, [&](auto n) { ColumnDotRows<decltype(n)::value>(cols, depth, a, lda, b, ldb, c, ldc); });
 }
 
 void PackVnniFromRows(const float* x, int64_t ld, int64_t rows, int64_t depth, int64_t n, uint16_t* dst) {

@@ -8,6 +8,7 @@
 
 #include <limits>
 
+#include "csrc/core/base/int_math.h"
 #include "csrc/core/gemm/gemm.h"
 
 namespace tokamax {
@@ -207,14 +208,10 @@ void WideRows(int64_t cols, int64_t depth, const float* a, int64_t lda, const fl
 
 void WideF32(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t lda, const float* b, int64_t ldb,
              float* c, int64_t ldc, int64_t group_stride, bool accumulate) {
-  switch (rows) {
-    case 1: return WideRows<1>(cols, depth, a, lda, b, ldb, c, ldc, group_stride, accumulate);
-    case 2: return WideRows<2>(cols, depth, a, lda, b, ldb, c, ldc, group_stride, accumulate);
-    case 3: return WideRows<3>(cols, depth, a, lda, b, ldb, c, ldc, group_stride, accumulate);
-    default: return WideRows<4>(cols, depth, a, lda, b, ldb, c, ldc, group_stride, accumulate);
-  }
+  DispatchRows<kGemmWideRows>(rows, [&](auto n) {
+    WideRows<decltype(n)::value>(cols, depth, a, lda, b, ldb, c, ldc, group_stride, accumulate);
+  });
 }
-static_assert(kGemmWideRows == 4, "WideF32 dispatches 1 to 4 rows");
 #endif
 
 }  // namespace gemm
