@@ -364,9 +364,9 @@ CONTRACT = OpContract(
     ],
     bad_inputs=_bad_inputs,
     invalid_configs=[
-        ("expected 5 values", ([8], None)),
-        ("config: ragged_paged_attention config: block_kv must be", ([4, 32, 128, 0, 32], None)),
-        ("split_kv must be a multiple of block_kv", ([64, 32, 128, 96, 32], None)),
+        ("expected 6 values", ([8], None)),
+        ("config: ragged_paged_attention config: block_kv must be", ([4, 32, 128, 0, 32, 4], None)),
+        ("split_kv must be a multiple of block_kv", ([64, 32, 128, 96, 32, 4], None)),
     ],
     config_samples={"forward": Sample("decode-and-prefill", _sample(q_lens=(1, 1, 40), kv_lens=(900, 300, 700),
                                                                      pages_per_seq=60, page_size=16, d=32))},

@@ -172,7 +172,7 @@ void RunTask(const RaggedPagedAttentionParams& p, const RaggedPagedAttentionConf
   // whatever page lies next in memory (another sequence's: measured slower than any in-order
   // layout, docs/benchmarks.md). The copy holds the same values, so the bits do not change.
   const int64_t element = DTypeSize(kv_dtype), span = 2 * heads * d;
-  const bool staged_rows = config.stage_rows > 0 && per_head <= config.stage_rows;
+  const bool staged_rows = config.stage_rows > 0 && per_head <= config.stage_rows && span > 0;
   char* staged = staged_rows ? Scratch<char>(lease, kStaged, block * span * element) : nullptr;
   const int64_t ld = staged_rows ? span : p.kv_cache.strides[1];
   auto stage_tile = [&](int64_t s0, int64_t s1) {
