@@ -663,3 +663,7 @@ TORCH_LIBRARY_IMPL(tokamax, Meta, m) {
 TORCH_LIBRARY_IMPL(tokamax, Autograd, m) {
   m.impl("dot_product_attention", &tokamax::ForwardEntry<tokamax::DotProductAttentionAutograd>);
 }
+
+TORCH_LIBRARY_IMPL(tokamax, AutocastCPU, m) {
+  tokamax::RegisterLowerPrecisionAutocast(m, {"dot_product_attention", "dot_product_attention_reference"});
+}

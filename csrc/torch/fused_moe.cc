@@ -645,3 +645,7 @@ TORCH_LIBRARY_IMPL(tokamax, Autograd, m) {
   m.impl("fused_experts", &tokamax::FusedExpertsAutograd);
   m.impl("fused_moe", &tokamax::FusedMoeAutograd);
 }
+
+TORCH_LIBRARY_IMPL(tokamax, AutocastCPU, m) {
+  tokamax::RegisterLowerPrecisionAutocast(m, {"fused_experts", "fused_experts_reference", "fused_moe", "fused_moe_reference"});
+}

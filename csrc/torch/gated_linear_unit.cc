@@ -376,3 +376,7 @@ TORCH_LIBRARY_IMPL(tokamax, CompositeImplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(tokamax, Autograd, m) {
   m.impl("gated_linear_unit", &tokamax::GluAutograd);
 }
+
+TORCH_LIBRARY_IMPL(tokamax, AutocastCPU, m) {
+  tokamax::RegisterLowerPrecisionAutocast(m, {"gated_linear_unit", "gated_linear_unit_reference"});
+}

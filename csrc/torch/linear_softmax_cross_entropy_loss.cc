@@ -499,3 +499,7 @@ TORCH_LIBRARY_IMPL(tokamax, CompositeImplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(tokamax, Autograd, m) {
   m.impl("linear_softmax_cross_entropy_loss", &tokamax::LceAutograd);
 }
+
+TORCH_LIBRARY_IMPL(tokamax, AutocastCPU, m) {
+  tokamax::RegisterLowerPrecisionAutocast(m, {"linear_softmax_cross_entropy_loss", "linear_softmax_cross_entropy_loss_reference"});
+}

@@ -1,5 +1,9 @@
-// The config recorder of op_kit.h and its two private ops.
+// The config recorder of op_kit.h and its two private ops; the lower-precision autocast kernel.
 #include "csrc/torch/op_kit.h"
+
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <atomic>
 #include <mutex>
@@ -59,6 +63,46 @@ RecordedProductScope::RecordedProductScope(const char* product) : previous_(scop
 }
 RecordedProductScope::~RecordedProductScope() { scoped_product = previous_; }
 const char* RecordedProductScope::Current() { return scoped_product; }
+
+namespace {
+
+// The boxed autocast kernel: casts the call's floating input tensors on the stack to the autocast
+// dtype, then calls the op again with autocast excluded (the next kernel is the op's Autograd one).
+void LowerPrecisionAutocast(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
+  const std::vector<c10::Argument>& arguments = op.schema().arguments();
+  const size_t first = stack->size() - arguments.size();
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const c10::AliasInfo* alias = arguments[i].alias_info();
+    if (alias != nullptr && alias->isWrite()) continue;
+    c10::IValue& value = (*stack)[first + i];
+    if (value.isTensor()) {
+      value = at::autocast::cached_cast(dtype, value.toTensor(), kDevice);
+    } else if (value.isTensorList()) {
+      value = at::autocast::cached_cast(dtype, value.toTensorVector(), kDevice);
+    }
+  }
+  op.callBoxed(stack);
+}
+
+// The op, and every op it calls, with autocast off.
+void InputDtypeAutocast(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(c10::DeviceType::CPU));
+  op.callBoxed(stack);
+}
+
+}  // namespace
+
+void RegisterLowerPrecisionAutocast(torch::Library& m, std::initializer_list<const char*> ops) {
+  for (const char* name : ops) m.impl(name, torch::CppFunction::makeFromBoxedFunction<&LowerPrecisionAutocast>());
+}
+
+void RegisterInputDtypeAutocast(torch::Library& m, std::initializer_list<const char*> ops) {
+  for (const char* name : ops) m.impl(name, torch::CppFunction::makeFromBoxedFunction<&InputDtypeAutocast>());
+}
 
 }  // namespace tokamax
 

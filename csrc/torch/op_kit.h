@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -56,6 +57,24 @@ typename Config::Product ParseProduct(int64_t product) {
   }
   TORCH_CHECK(false, Config::kOpName, ": product must be ", expected, ", got ", product);
 }
+
+// ---- autocast ---------------------------------------------------------------------------------
+//
+// The ops built on matrix products (ragged_dot, dot_product_attention, gated_linear_unit,
+// linear_softmax_cross_entropy_loss, fused_experts, fused_moe: kernel and reference alike) follow
+// PyTorch's "lower precision" autocast policy, as torch.mm and scaled_dot_product_attention do:
+// inside torch.autocast(device, dtype), every floating input tensor (a tensor list's too) is cast
+// to the autocast dtype before the op runs, so fp32 weights and bf16 activations meet in bf16 and
+// gradients flow back to the fp32 tensors through the casts. An argument the op writes in place
+// (`Tensor(a!)`) is never cast: a copy would take the write. The other ops run in their inputs'
+// dtypes: autocast's default fall-through where the kernel and the reference both are opaque to
+// it, RegisterInputDtypeAutocast where a reference made of ATen ops would otherwise have its
+// matrix products cast inside it (ragged_paged_attention's) and so disagree with the kernel.
+// Registered per op family with one call:
+//
+//   TORCH_LIBRARY_IMPL(tokamax, AutocastCPU, m) { RegisterLowerPrecisionAutocast(m, {"my_op", "my_op_reference"}); }
+void RegisterLowerPrecisionAutocast(torch::Library& m, std::initializer_list<const char*> ops);
+void RegisterInputDtypeAutocast(torch::Library& m, std::initializer_list<const char*> ops);
 
 // ---- the config recorder: which config each kernel call ran with ------------------------------
 //

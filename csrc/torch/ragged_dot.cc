@@ -341,3 +341,7 @@ TORCH_LIBRARY_IMPL(tokamax, Autograd, m) {
   m.impl("ragged_dot", &tokamax::RaggedDotAutograd<false>);
   m.impl("ragged_dot_reference", &tokamax::RaggedDotAutograd<true>);
 }
+
+TORCH_LIBRARY_IMPL(tokamax, AutocastCPU, m) {
+  tokamax::RegisterLowerPrecisionAutocast(m, {"ragged_dot", "ragged_dot_reference"});
+}

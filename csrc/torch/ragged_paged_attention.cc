@@ -285,3 +285,7 @@ TORCH_LIBRARY_IMPL(tokamax, Autograd, m) {
   m.impl("ragged_paged_attention", torch::CppFunction::makeFromBoxedFunction<&tokamax::RunBelowAutograd>());
   m.impl("ragged_paged_attention_reference", torch::CppFunction::makeFromBoxedFunction<&tokamax::RunBelowAutograd>());
 }
+
+TORCH_LIBRARY_IMPL(tokamax, AutocastCPU, m) {
+  tokamax::RegisterInputDtypeAutocast(m, {"ragged_paged_attention", "ragged_paged_attention_reference"});
+}
