@@ -1,4 +1,4 @@
-// The config recorder of op_kit.h and its two private ops; the lower-precision autocast kernel.
+// The config recorder of op_kit.h and its two private ops; the two boxed autocast kernels.
 #include "csrc/torch/op_kit.h"
 
 #include <ATen/autocast_mode.h>
