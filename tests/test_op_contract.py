@@ -143,41 +143,42 @@ LOWER_PRECISION_FAMILIES = {"ragged_dot", "dot_product_attention", "gated_linear
                             "linear_softmax_cross_entropy_loss", "fused_experts", "fused_moe"}
 
 
-def _autocast_cast(impl, call):
-    """The call as autocast runs it: floating inputs in bf16 (leaves stay leaves), donated buffers
-    as they are."""
+def _autocast_cast(impl, call, dtype):
+    """The call as autocast runs it: floating inputs in `dtype` (leaves stay leaves), donated
+    buffers as they are."""
     args, kwargs = call
     keep = {id(x) for _, x in donated(impl, call)}
-    cast = lambda x: (x.detach().to(torch.bfloat16).requires_grad_(x.requires_grad)  # noqa: E731
+    cast = lambda x: (x.detach().to(dtype).requires_grad_(x.requires_grad)  # noqa: E731
                       if isinstance(x, torch.Tensor) and x.is_floating_point() and id(x) not in keep else x)
     return tuple(cast(x) for x in args), {key: cast(x) for key, x in kwargs.items()}
 
 
-def _under_autocast(fn):
+def _under_autocast(fn, dtype):
     def call(*args, **kwargs):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype):
             return fn(*args, **kwargs)
     return call
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("contract,impl", [pytest.param(c, impl, id=f"{c.name}-{impl.name}")
                                            for c in CONTRACTS for impl in c.implementations])
-def test_autocast_policy(contract, impl):
+def test_autocast_policy(contract, impl, dtype):
     lower = contract.name in LOWER_PRECISION_FAMILIES
     if lower:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(impl.op.name(), "AutocastCPU")
     call = contract.samples[0].make()
-    got = forward_backward(_under_autocast(impl), fresh_copy(call))
+    got = forward_backward(_under_autocast(impl, dtype), fresh_copy(call))
     if not lower:  # autocast falls through: the op runs in its inputs' dtypes
         assert_all_equal(got, forward_backward(impl, call), "under autocast against without")
         return
     assert any(x.dtype == torch.float32 for x in all_tensors(call)), "an fp32 input for autocast to cast"
-    want = forward_backward(impl, _autocast_cast(impl, call))
-    # Outputs as the bf16 call's; gradients reach the fp32 leaves through the casts, exactly.
-    assert_all_equal(got, [w.to(g.dtype) for g, w in zip(got, want)], "under autocast against bf16 inputs")
+    want = forward_backward(impl, _autocast_cast(impl, call, dtype))
+    # Outputs as the low-precision call's; gradients reach the fp32 leaves through the casts, exactly.
+    assert_all_equal(got, [w.to(g.dtype) for g, w in zip(got, want)], "under autocast against cast inputs")
     assert all(g.dtype == x.dtype for g, x in zip(got[len(got) - len(leaves(call)):], leaves(call)))
-    if impl is contract.kernel:
-        compiled = torch.compile(_under_autocast(impl), fullgraph=True)
+    if impl is contract.kernel and dtype == torch.bfloat16:  # compiled for bf16 only: seconds a compile
+        compiled = torch.compile(_under_autocast(impl, dtype), fullgraph=True)
         args, kwargs = _detached(fresh_copy(call))
         assert_all_equal(outputs(compiled(*args, **kwargs)), got[:len(got) - len(leaves(call))],
                          "compiled under autocast against eager")
