@@ -174,14 +174,14 @@ def test_autocast_policy(contract, impl, dtype):
         return
     assert any(x.dtype == torch.float32 for x in all_tensors(call)), "an fp32 input for autocast to cast"
     want = forward_backward(impl, _autocast_cast(impl, call, dtype))
+    results = len(got) - len(leaves(call))  # got: the results, then the leaves' gradients
     # Outputs as the low-precision call's; gradients reach the fp32 leaves through the casts, exactly.
     assert_all_equal(got, [w.to(g.dtype) for g, w in zip(got, want)], "under autocast against cast inputs")
-    assert all(g.dtype == x.dtype for g, x in zip(got[len(got) - len(leaves(call)):], leaves(call)))
+    assert all(g.dtype == x.dtype for g, x in zip(got[results:], leaves(call)))
     if impl is contract.kernel and dtype == torch.bfloat16:  # compiled for bf16 only: seconds a compile
         compiled = torch.compile(_under_autocast(impl, dtype), fullgraph=True)
         args, kwargs = _detached(fresh_copy(call))
-        assert_all_equal(outputs(compiled(*args, **kwargs)), got[:len(got) - len(leaves(call))],
-                         "compiled under autocast against eager")
+        assert_all_equal(outputs(compiled(*args, **kwargs)), got[:results], "compiled under autocast against eager")
 
 
 # ---- configs ------------------------------------------------------------------------------------

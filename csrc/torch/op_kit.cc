@@ -66,10 +66,11 @@ const char* RecordedProductScope::Current() { return scoped_product; }
 
 namespace {
 
+constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;  // the AutocastCPU key's kernels
+
 // The boxed autocast kernel: casts the call's floating input tensors on the stack to the autocast
 // dtype, then calls the op again with autocast excluded (the next kernel is the op's Autograd one).
 void LowerPrecisionAutocast(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(kDevice);
   const std::vector<c10::Argument>& arguments = op.schema().arguments();
@@ -89,8 +90,7 @@ void LowerPrecisionAutocast(const c10::OperatorHandle& op, torch::jit::Stack* st
 
 // The op, and every op it calls, with autocast off.
 void InputDtypeAutocast(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(
-      at::autocast::get_autocast_dispatch_key_from_device_type(c10::DeviceType::CPU));
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
   op.callBoxed(stack);
 }
 
