@@ -184,6 +184,95 @@ def test_autocast_policy(contract, impl, dtype):
         assert_all_equal(outputs(compiled(*args, **kwargs)), got[:results], "compiled under autocast against eager")
 
 
+# ---- torch.vmap and torch.func (design.md, "torch.vmap and torch.func") -------------------------
+
+def _batch_of_two(call):
+    """The call's positional tensors and a second sample's (floating tensors halved, the others
+    repeated), stacked on a new dim 0; and the kwargs, shared by both samples."""
+    args, kwargs = _detached(call)
+    batched = tuple(torch.stack([x, x * 0.5 if x.is_floating_point() else x]) if isinstance(x, torch.Tensor) else x
+                    for x in args)
+    return batched, kwargs
+
+
+def _sample(batched, b):
+    """Sample b of a batch: what a loop over the batch passes (views of the stacked tensors)."""
+    return tuple(x[b] if isinstance(x, torch.Tensor) else x for x in batched)
+
+
+def _vmapped(impl, batched, kwargs):
+    in_dims = tuple(0 if isinstance(x, torch.Tensor) else None for x in batched)
+    return torch.vmap(lambda *a: impl(*a, **kwargs), in_dims=in_dims)(*batched)
+
+
+@pytest.mark.parametrize("contract,impl", [pytest.param(c, impl, id=f"{c.name}-{impl.name}")
+                                           for c in CONTRACTS for impl in c.implementations])
+def test_vmap_matches_per_sample_calls(contract, impl):
+    call = contract.samples[0].make()
+    batched, kwargs = _batch_of_two(call)
+    if donated(impl, call):
+        with pytest.raises(RuntimeError, match=rf"{impl.op.name()}: torch.vmap is not supported: the op writes "
+                                                 rf"{' and '.join(impl.donated_args)} in place"):
+            _vmapped(impl, batched, kwargs)
+        return
+    # Our rule, not PyTorch's fallback (which prints a warning asking for a PyTorch issue).
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(impl.op.name(), "FuncTorchBatched")
+    got = outputs(_vmapped(impl, batched, kwargs))
+    want = [torch.stack(pair) for pair in zip(*(outputs(impl(*_sample(batched, b), **kwargs)) for b in (0, 1)))]
+    if impl is contract.kernel:  # one call per sample: the same bits, compiled too
+        assert_all_equal(got, want, "vmap against per-sample calls")
+        compiled = torch.compile(lambda *a: _vmapped(impl, a, kwargs), fullgraph=True)
+        assert_all_equal(outputs(compiled(*batched)), want, "compiled vmap against per-sample calls")
+    else:  # a reference of ATen ops may meet their own batching rules
+        assert_all_close(got, want, contract.tolerance, "vmap against per-sample calls", is_low_precision(call))
+
+
+def _grad_sample(contract):
+    """The first sample with a positional leaf, or None when the op has no gradients."""
+    return next((s for s in contract.samples if any(x.requires_grad for x in s.make()[0]
+                                                    if isinstance(x, torch.Tensor))), None)
+
+
+def _grad_contracts():
+    return [pytest.param(c, id=c.name) for c in CONTRACTS if _grad_sample(c) is not None]
+
+
+def _leaf_positions(call):
+    return [i for i, x in enumerate(call[0]) if isinstance(x, torch.Tensor) and x.requires_grad]
+
+
+@pytest.mark.parametrize("contract", _grad_contracts())
+def test_vmap_then_backward_matches_per_sample_gradients(contract):
+    call = _grad_sample(contract).make()
+    positions = _leaf_positions(call)
+    batched, kwargs = _batch_of_two(call)
+    batched = tuple(x.requires_grad_(True) if i in positions else x for i, x in enumerate(batched))
+    first = first_output(_vmapped(contract.kernel, batched, kwargs))
+    weight = torch.linspace(-1, 1, first.numel(), dtype=torch.float64).view(first.shape).to(first.dtype)
+    got = torch.autograd.grad((first * weight).sum(), [batched[i] for i in positions])
+    per_sample = []
+    for b in (0, 1):  # the same views of the batch, as leaves of their own
+        sample = tuple(x.detach().requires_grad_(True) if i in positions else x
+                       for i, x in enumerate(_sample(batched, b)))
+        out = first_output(contract.kernel(*sample, **kwargs))
+        per_sample.append(torch.autograd.grad((out * weight[b]).sum(), [sample[i] for i in positions]))
+    assert_all_equal(list(got), [torch.stack(pair) for pair in zip(*per_sample)], "gradients through vmap")
+
+
+@pytest.mark.parametrize("contract", _grad_contracts())
+def test_torch_func_grad_is_refused_naming_the_op(contract):
+    call = _grad_sample(contract).make()
+    args, kwargs = _detached(call)
+    position = _leaf_positions(call)[0]
+
+    def loss(x):
+        return first_output(contract.kernel(*args[:position], x, *args[position + 1:], **kwargs)).float().sum()
+
+    with pytest.raises(RuntimeError, match=rf"{contract.kernel.op.name()}: torch.func transforms that "
+                                           r"differentiate .* cannot run this op"):
+        torch.func.grad(loss)(args[position])
+
+
 # ---- configs ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("contract,sample", _kernel_samples())

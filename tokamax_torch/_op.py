@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from tokamax_torch import _registry
+from tokamax_torch import _registry, _vmap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +218,8 @@ class Op:
         self._op = op
         self._signature = inspect.signature(self.__call__)
         self._donated_positions = self._check_donated_args(op)
+        if getattr(op, "_schema", None) is not None:
+            _vmap.register(op, tuple(self.donated_args))
         _registry.register(self)
 
     # ---- the call -------------------------------------------------------------------------

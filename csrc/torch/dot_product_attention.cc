@@ -603,6 +603,7 @@ class DotProductAttentionFunction : public torch::autograd::Function<DotProductA
 };
 
 std::tuple<Tensor, Tensor> DotProductAttentionAutograd(const AttentionArgs& a) {
+  CheckNoFunctorchTransform("dot_product_attention");
   const tensor_list outputs = DotProductAttentionFunction::apply(a.query, a.key, a.value, a.bias, a);
   return {outputs[0], outputs[1]};
 }

@@ -324,6 +324,7 @@ std::tuple<Tensor, Tensor> GluAutograd(const Tensor& x, const Tensor& weights,
     at::AutoDispatchBelowADInplaceOrView guard;
     return ForwardOp().call(x, weights, up_weights, activation, return_residuals, config, bwd_config);
   }
+  CheckNoFunctorchTransform(kOp);
   const tensor_list out =
       GluFunction::apply(x, weights, up_weights, activation, return_residuals, config, bwd_config);
   return {out[0], out[1]};

@@ -337,6 +337,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> LayerNormAutograd(const Tensor& x, co
                                                              std::optional<double> scale_offset, bool subtract_mean,
                                                              at::OptionalIntArrayRef config,
                                                              at::OptionalIntArrayRef bwd_config) {
+  CheckNoFunctorchTransform(kOp);
   const tensor_list out = LayerNormFunction::apply(x, scale, offset, residual, axis, epsilon, scale_offset,
                                                    subtract_mean, config, bwd_config);
   return {out[0], out[1], out[2], out[3]};

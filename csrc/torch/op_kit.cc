@@ -1,6 +1,7 @@
 // The config recorder of op_kit.h and its two private ops; the two boxed autocast kernels.
 #include "csrc/torch/op_kit.h"
 
+#include <ATen/FuncTorchTLS.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -102,6 +103,21 @@ void RegisterLowerPrecisionAutocast(torch::Library& m, std::initializer_list<con
 
 void RegisterInputDtypeAutocast(torch::Library& m, std::initializer_list<const char*> ops) {
   for (const char* name : ops) m.impl(name, torch::CppFunction::makeFromBoxedFunction<&InputDtypeAutocast>());
+}
+
+void CheckNoFunctorchTransform(const char* op) {
+  const auto& functorch = at::functorch::functorchTLSAccessor();
+  if (!functorch) return;  // no transform has run on this thread
+  // PyTorch's own check (ATen/functorch's layer stack is not in the installed headers), its
+  // message replaced by one that names the op.
+  try {
+    functorch->checkSupportsCppAutogradFunction();
+  } catch (const c10::Error&) {
+    TORCH_CHECK(false, "tokamax::", op,
+                ": torch.func transforms that differentiate (grad, vjp, jacrev, jacfwd, jvp, hessian) or functionalize "
+                "cannot run this op: its backward is a C++ autograd function, which PyTorch runs under torch.autograd "
+                "only. Differentiate with loss.backward() or torch.autograd.grad; torch.vmap without them works.");
+  }
 }
 
 }  // namespace tokamax

@@ -294,6 +294,7 @@ template <bool kReference>
 Tensor RaggedDotAutograd(const Tensor& lhs, const Tensor& rhs, const Tensor& group_sizes,
                          at::OptionalIntArrayRef dimension_numbers, std::optional<at::ScalarType> preferred_element_type,
                          at::OptionalIntArrayRef config, at::OptionalIntArrayRef bwd_config) {
+  CheckNoFunctorchTransform(kReference ? "ragged_dot_reference" : "ragged_dot");
   return RaggedDotFunction::apply(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type, config,
                                   bwd_config, kReference);
 }

@@ -10,6 +10,7 @@
 
 #include "csrc/ops/moe_gather/moe_gather.h"
 #include "csrc/torch/adapter_utils.h"
+#include "csrc/torch/op_kit.h"
 
 namespace tokamax {
 namespace {
@@ -161,10 +162,12 @@ class RaggedGatherFunction : public torch::autograd::Function<RaggedGatherFuncti
 };
 
 Tensor RaggedGatherAutograd(const Tensor& x, const Tensor& indices, const Tensor& start, const Tensor& end) {
+  CheckNoFunctorchTransform("ragged_gather");
   return RaggedGatherFunction::apply(x, indices, start, end, false);
 }
 
 Tensor RaggedScatterAutograd(const Tensor& x, const Tensor& indices, const Tensor& start, const Tensor& end) {
+  CheckNoFunctorchTransform("ragged_scatter");
   return RaggedGatherFunction::apply(x, indices, start, end, true);
 }
 

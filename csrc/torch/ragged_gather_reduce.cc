@@ -10,6 +10,7 @@
 
 #include "csrc/ops/moe_gather/moe_gather.h"
 #include "csrc/torch/adapter_utils.h"
+#include "csrc/torch/op_kit.h"
 
 namespace tokamax {
 namespace {
@@ -159,6 +160,7 @@ class RaggedGatherReduceFunction : public torch::autograd::Function<RaggedGather
 
 Tensor RaggedGatherReduceAutograd(const Tensor& x, const Tensor& indices, const Tensor& topk_weights,
                                   const Tensor& valid_rows_mask, c10::SymInt reduce_group_size) {
+  CheckNoFunctorchTransform(kOp);
   return RaggedGatherReduceFunction::apply(x, indices, topk_weights, valid_rows_mask, reduce_group_size);
 }
 
