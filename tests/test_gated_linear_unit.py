@@ -291,3 +291,9 @@ def gated_linear_unit_kernel_matches_float64_oracle(problem):
 
 
 PROPERTIES = [gated_linear_unit_kernel_matches_float64_oracle]
+
+
+def test_residuals_are_not_differentiable():
+    x, w = _problem((6, 40), 24, seed=4)
+    out, residuals = glu.kernel(x.requires_grad_(True), w, return_residuals=True)
+    assert out.requires_grad and not residuals.requires_grad and residuals.grad_fn is None

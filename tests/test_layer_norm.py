@@ -285,3 +285,16 @@ def layer_norm_kernel_matches_float64_oracle(problem):
 
 
 PROPERTIES = [layer_norm_kernel_matches_float64_oracle]
+
+
+def test_statistics_are_not_differentiable():
+    """mean and rstd come back without a gradient history; h with a residual carries one."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 16, generator=g, requires_grad=True)
+    res = torch.randn(4, 16, generator=g, requires_grad=True)
+    (y, (mean, rstd)) = ln.kernel(x, return_residuals=True)
+    assert y.requires_grad and not mean.requires_grad and not rstd.requires_grad
+    ((y, h), (mean, rstd)) = ln.kernel(x, residual=res, return_residuals=True)
+    assert y.requires_grad and h.requires_grad and not mean.requires_grad and not rstd.requires_grad
+    (dx, dres) = torch.autograd.grad(h.sum(), [x, res])
+    assert torch.equal(dx, torch.ones_like(x)) and torch.equal(dres, torch.ones_like(res))

@@ -5,6 +5,7 @@ import importlib
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
 
 import tokamax_torch
 from tokamax_torch import _registry
@@ -271,6 +272,19 @@ def test_torch_func_grad_is_refused_naming_the_op(contract):
     with pytest.raises(RuntimeError, match=rf"{contract.kernel.op.name()}: torch.func transforms that "
                                            r"differentiate .* cannot run this op"):
         torch.func.grad(loss)(args[position])
+
+
+@pytest.mark.parametrize("contract", _grad_contracts())
+def test_compiled_autograd_matches_eager(contract):
+    """Compiled autograd captures a backward with the op's C++ autograd Function in it (run in
+    eager inside the captured graph) and gives eager's bits."""
+    call = _grad_sample(contract).make()
+    want = forward_backward(contract.kernel, call)
+    counters.clear()
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+        got = forward_backward(contract.kernel, call)
+    assert counters["compiled_autograd"]["captures"] == 1
+    assert_all_equal(got, want, "compiled autograd against eager")
 
 
 # ---- configs ------------------------------------------------------------------------------------

@@ -279,7 +279,6 @@ class GluFunction : public torch::autograd::Function<GluFunction> {
     ctx->saved_data["bwd_config"] = bwd_config.has_value() ? bwd_config->vec() : std::vector<int64_t>{};
     ctx->save_for_backward({x, weights, up_weights.value_or(Tensor()), residuals});
     const Tensor returned = return_residuals ? residuals : at::empty({0}, x.options());
-    ctx->mark_non_differentiable({returned});
     return {out, returned};
   }
 
@@ -327,7 +326,9 @@ std::tuple<Tensor, Tensor> GluAutograd(const Tensor& x, const Tensor& weights,
   CheckNoFunctorchTransform(kOp);
   const tensor_list out =
       GluFunction::apply(x, weights, up_weights, activation, return_residuals, config, bwd_config);
-  return {out[0], out[1]};
+  // The residuals are not differentiable: detached here rather than marked in the Function
+  // (compiled autograd asserts that no C++ Function marks an output non-differentiable).
+  return {out[0], out[1].detach()};
 }
 
 // The problem of the config helper ops (op_kit.h): the call's sizes and dtype.

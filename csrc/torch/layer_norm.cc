@@ -294,7 +294,6 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     ctx->saved_data["bwd_config"] = bwd_config.has_value() ? bwd_config->vec() : std::vector<int64_t>{};
     ctx->save_for_backward({residual.has_value() ? h : x, mean, rstd, scale.value_or(Tensor()),
                             offset.value_or(Tensor())});
-    ctx->mark_non_differentiable(residual.has_value() ? tensor_list{mean, rstd} : tensor_list{h, mean, rstd});
     return {y, h, mean, rstd};
   }
 
@@ -340,7 +339,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> LayerNormAutograd(const Tensor& x, co
   CheckNoFunctorchTransform(kOp);
   const tensor_list out = LayerNormFunction::apply(x, scale, offset, residual, axis, epsilon, scale_offset,
                                                    subtract_mean, config, bwd_config);
-  return {out[0], out[1], out[2], out[3]};
+  // mean and rstd, and h without a residual, are not differentiable: detached here rather than
+  // marked in the Function (compiled autograd asserts that no C++ Function marks an output
+  // non-differentiable).
+  return {out[0], residual.has_value() ? out[1] : out[1].detach(), out[2].detach(), out[3].detach()};
 }
 
 // The problem of the config helper ops (op_kit.h): the call's rows, columns and dtype.
