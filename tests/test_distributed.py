@@ -3,7 +3,7 @@ argument raises PyTorch's error naming the op, in eager and compiled code, befor
 `torch.distributed.tensor.experimental.local_map` runs an op on each rank's shard.
 
 One process, a gloo group of one rank: enough to reach DTensor's dispatch, which is where the
-error and local_map's unwrapping happen."""
+error, local_map's unwrapping and FSDP2's parameter handling happen."""
 
 import importlib
 
@@ -12,10 +12,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.experimental import local_map
 
 from tokamax_torch import _registry
 from tokamax_torch.ops import layer_norm as ln
+from tokamax_torch.ops import linear_softmax_cross_entropy_loss as lce
 
 CONTRACTS = [importlib.import_module(f"test_{name}").CONTRACT for name in sorted(_registry.families())]
 
@@ -57,3 +59,32 @@ def test_local_map_runs_the_op_on_each_shard(mesh):
     got = norm(sharded)
     assert isinstance(got, DTensor) and got.placements == (Shard(0),)
     assert torch.equal(got.full_tensor(), ln.kernel(x))
+
+
+class _LossHead(torch.nn.Module):
+    """A projection and an lm_head whose weight the fused loss reads in the module's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.lm_head = torch.nn.Linear(16, 50, bias=False)
+
+    def forward(self, x, labels):
+        return lce.kernel(self.proj(x), labels, self.lm_head.weight.t())
+
+
+def test_fsdp2_sharded_lm_head_gives_the_unsharded_loss_and_gradients(mesh):
+    """user-needs.md: the fused loss with an FSDP2-sharded lm_head. FSDP2 unshards a unit's
+    parameters into plain tensors for its forward, so the op sees no DTensor; the gradients come
+    back as DTensors and equal the unsharded module's."""
+    torch.manual_seed(0)
+    sharded, plain = _LossHead(), _LossHead()
+    plain.load_state_dict(sharded.state_dict())
+    fully_shard(sharded, mesh=mesh)
+    x, labels = torch.randn(8, 16), torch.randint(0, 50, (8,))
+    loss, want = sharded(x, labels), plain(x, labels)
+    loss.backward()
+    want.backward()
+    assert torch.equal(loss, want)
+    for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
+        assert isinstance(p.grad, DTensor) and torch.equal(p.grad.full_tensor(), q.grad), name
