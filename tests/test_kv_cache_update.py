@@ -225,7 +225,10 @@ def kv_cache_update_problems(draw):
     pages, page_size = draw(st.integers(0, 9), label="pages"), draw(st.integers(1, 5), label="page_size")
     heads, d = draw(st.integers(1, 4), label="heads"), draw(st.integers(0, 20), label="d")
     tokens = draw(st.integers(0, pages * page_size), label="tokens")
-    cache = torch.randn(pages, page_size, 2 * heads, d, generator=generator).to(dtype)
+    # Pages end to end or not (spare slots stored in each page), rows packed or padded.
+    spare, padding = draw(st.sampled_from([0, 2]), label="spare_slots"), draw(st.sampled_from([0, 3]), label="padding")
+    stored = torch.randn(pages, page_size + spare, 2 * heads, d + padding, generator=generator).to(dtype)
+    cache = stored[:, spare:, :, padding:]
     keys = layout(draw, (tokens, heads, d), generator, dtype, "keys")
     values = layout(draw, (tokens, heads, d), generator, dtype, "values")
     slots = torch.randperm(pages * page_size, generator=generator)[:tokens]
