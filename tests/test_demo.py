@@ -30,8 +30,8 @@ def test_language_model_trains_like_the_reference(capsys):
 def test_language_model_compiles_once_for_every_shape():
     """user-needs.md's acceptance 2: the demo's model (rms_norm with residuals, GQA attention,
     fused_moe, gated_linear_unit, the fused loss) under torch.compile(fullgraph=True, dynamic=True)
-    runs three batch and sequence shapes from one forward and one backward graph (a recompile
-    raises), with eager's loss and gradients. AOTAutograd without Inductor: the recompile question
+    runs three batch and sequence shapes compiled once (a recompile raises; no frame is added
+    after the first shape), with eager's loss and gradients. AOTAutograd without Inductor: the recompile question
     is Dynamo's; each op's Inductor dynamic compile is in the contract suite."""
     demo = _load_demo()
     torch.manual_seed(0)

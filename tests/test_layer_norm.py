@@ -298,3 +298,21 @@ def test_statistics_are_not_differentiable():
     assert y.requires_grad and h.requires_grad and not mean.requires_grad and not rstd.requires_grad
     (dx, dres) = torch.autograd.grad(h.sum(), [x, res])
     assert torch.equal(dx, torch.ones_like(x)) and torch.equal(dres, torch.ones_like(res))
+
+
+def test_compiled_autograd_through_h_with_a_residual():
+    """h = x + residual is the one differentiable output beside y: its gradient under compiled
+    autograd equals eager's (the contract's check weights y only)."""
+    g = torch.Generator().manual_seed(5)
+    x, res, scale = torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g), torch.randn(32, generator=g)
+    dy, dh = torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g)
+
+    def grads():
+        leaves = [t.clone().requires_grad_(True) for t in (x, res, scale)]
+        y, h = ln.kernel(leaves[0], leaves[2], residual=leaves[1])
+        return torch.autograd.grad((y * dy).sum() + (h * dh).sum(), leaves)
+
+    want = grads()
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+        got = grads()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

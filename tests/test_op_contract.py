@@ -220,12 +220,29 @@ def test_vmap_matches_per_sample_calls(contract, impl):
     assert torch._C._dispatch_has_kernel_for_dispatch_key(impl.op.name(), "FuncTorchBatched")
     got = outputs(_vmapped(impl, batched, kwargs))
     want = [torch.stack(pair) for pair in zip(*(outputs(impl(*_sample(batched, b), **kwargs)) for b in (0, 1)))]
-    if impl is contract.kernel:  # one call per sample: the same bits, compiled too
-        assert_all_equal(got, want, "vmap against per-sample calls")
+    # One call per sample (a reference of ATen ops too: the op's own rule comes before its
+    # decomposition): the same bits; the kernel compiled too.
+    assert_all_equal(got, want, "vmap against per-sample calls")
+    if impl is contract.kernel:
         compiled = torch.compile(lambda *a: _vmapped(impl, a, kwargs), fullgraph=True)
         assert_all_equal(outputs(compiled(*batched)), want, "compiled vmap against per-sample calls")
-    else:  # a reference of ATen ops may meet their own batching rules
-        assert_all_close(got, want, contract.tolerance, "vmap against per-sample calls", is_low_precision(call))
+
+
+@pytest.mark.parametrize("contract", [pytest.param(c, id=c.name) for c in CONTRACTS if not c.kernel.donated_args])
+def test_vmap_over_one_argument_at_dim_1(contract):
+    """The first tensor batched along its dim 1, every other argument shared by the samples."""
+    args, kwargs = _detached(contract.samples[0].make())
+    first = next(i for i, x in enumerate(args) if isinstance(x, torch.Tensor))
+    x = args[first]
+    batch = torch.stack([x, x * 0.5 if x.is_floating_point() else x], 1)
+    in_dims = tuple(1 if i == first else None for i in range(len(args)))
+    call = lambda *a: contract.kernel(*a, **kwargs)  # noqa: E731
+    got = outputs(torch.vmap(call, in_dims=in_dims)(*args[:first], batch, *args[first + 1:]))
+    per_sample = [outputs(call(*args[:first], batch.select(1, b), *args[first + 1:])) for b in (0, 1)]
+    assert_all_equal(got, [torch.stack(pair) for pair in zip(*per_sample)], "vmap at dim 1 against per-sample calls")
+    # An empty batch: outputs of the samples' shapes and dtypes, with a batch dimension of 0.
+    empty = outputs(torch.vmap(call, in_dims=in_dims)(*args[:first], batch[:, :0], *args[first + 1:]))
+    assert [(e.shape, e.dtype) for e in empty] == [((0, *p.shape), p.dtype) for p in per_sample[0]]
 
 
 def _grad_sample(contract):
@@ -261,17 +278,35 @@ def test_vmap_then_backward_matches_per_sample_gradients(contract):
 
 
 @pytest.mark.parametrize("contract", _grad_contracts())
-def test_torch_func_grad_is_refused_naming_the_op(contract):
+def test_torch_func_differentiation_is_refused_naming_the_op(contract):
     call = _grad_sample(contract).make()
     args, kwargs = _detached(call)
     position = _leaf_positions(call)[0]
+    x = args[position]
 
     def loss(x):
         return first_output(contract.kernel(*args[:position], x, *args[position + 1:], **kwargs)).float().sum()
 
-    with pytest.raises(RuntimeError, match=rf"{contract.kernel.op.name()}: torch.func transforms that "
-                                           r"differentiate .* cannot run this op"):
-        torch.func.grad(loss)(args[position])
+    refusal = rf"{contract.kernel.op.name()}: torch.func transforms that differentiate .* cannot run this op"
+    for transform in (lambda: torch.func.grad(loss)(x), lambda: torch.func.vjp(loss, x),
+                      lambda: torch.func.jacrev(loss)(x), lambda: torch.func.jvp(loss, (x,), (torch.ones_like(x),))):
+        with pytest.raises(RuntimeError, match=refusal):
+            transform()
+    # functionalize does not differentiate: it runs.
+    assert torch.equal(torch.func.functionalize(loss)(x), loss(x))
+
+
+@pytest.mark.parametrize("contract", _grad_contracts())
+def test_forward_mode_ad_raises_rather_than_drop_the_tangent(contract):
+    """A tangent on an input reaches the autograd Function, which refuses forward mode; a call
+    that needs no backward (GLU's and the MoE ops' plain path) must not drop the tangent."""
+    call = _grad_sample(contract).make()
+    args, kwargs = _detached(call)
+    position = _leaf_positions(call)[0]
+    with torch.autograd.forward_ad.dual_level(), torch.no_grad():
+        dual = torch.autograd.forward_ad.make_dual(args[position], torch.ones_like(args[position]))
+        with pytest.raises(RuntimeError, match=r"jvp is not implemented for the c\+\+ API of custom Function"):
+            contract.kernel(*args[:position], dual, *args[position + 1:], **kwargs)
 
 
 @pytest.mark.parametrize("contract", _grad_contracts())

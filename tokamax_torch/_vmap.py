@@ -22,6 +22,8 @@ _registered: set[str] = set()
 def register(op, donated_args: tuple[str, ...]) -> None:
     """Registers `op`'s batching rule, once per op (two singletons may share one op)."""
     name = op.name()
+    if not name.startswith("tokamax::"):
+        raise ValueError(f"batching rules are registered for tokamax ops only, got {name}")
     if name in _registered:
         return
     _registered.add(name)
@@ -36,13 +38,32 @@ def _refuse_donating(name: str, donated_args: tuple[str, ...], info, in_dims, *a
 
 
 def _per_sample(op, info, in_dims, *args, **kwargs):
-    # in_dims holds an int for each batched tensor (a list argument gets a list of Nones).
-    batched = [(a, dim) if isinstance(a, torch.Tensor) and isinstance(dim, int) else (a, None)
-               for a, dim in zip(args, in_dims)]
+    batched = []
+    for a, dim in zip(args, in_dims):
+        if isinstance(dim, (list, tuple)) and any(d is not None for d in dim):
+            # A list of tensors would need each element split; no schema has one today.
+            raise RuntimeError(f"{op.name()}: torch.vmap over a list argument is not supported")
+        batched.append((a, dim if isinstance(dim, int) else None))
+    if info.batch_size == 0:
+        return _empty_batch(op, batched, kwargs)
     results = [op(*(a if dim is None else a.select(dim, i) for a, dim in batched), **kwargs)
                for i in range(info.batch_size)]
-    if not isinstance(results[0], (tuple, list)):
-        return torch.stack(results), 0
-    # Optional outputs left out (None) stay None, unbatched.
-    stacked = tuple(None if parts[0] is None else torch.stack(parts) for parts in zip(*results))
-    return stacked, tuple(None if out is None else 0 for out in stacked)
+    if isinstance(results[0], (tuple, list)):
+        return tuple(torch.stack(parts) for parts in zip(*results)), (0,) * len(results[0])
+    return torch.stack(results), 0
+
+
+def _empty_batch(op, batched, kwargs):
+    """An empty batch: the outputs' shapes from one sample run on the meta device (the op's
+    checks included), each with a leading batch dimension of 0."""
+    def sample(a, dim):
+        if dim is None:
+            return a.to("meta") if isinstance(a, torch.Tensor) else a
+        return torch.empty(a.shape[:dim] + a.shape[dim + 1:], dtype=a.dtype, device="meta")
+    device = next(a.device for a, dim in batched if dim is not None)
+    shapes = op(*(sample(a, dim) for a, dim in batched),
+                **{k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    empty = lambda r: torch.empty((0, *r.shape), dtype=r.dtype, device=device)  # noqa: E731
+    if isinstance(shapes, (tuple, list)):
+        return tuple(empty(r) for r in shapes), (0,) * len(shapes)
+    return empty(shapes), 0

@@ -123,6 +123,22 @@ inline bool WillBackward(std::initializer_list<const at::Tensor*> tensors,
   return false;
 }
 
+// Whether a call must go through its autograd Function rather than run the plain op below
+// autograd: a backward can follow (WillBackward), or an input carries a forward-mode tangent
+// (torch.func.jvp, torch.autograd.forward_ad). The Function refuses forward mode loudly; the
+// plain op would drop the tangent and give a zero one silently.
+inline bool NeedsAutogradFunction(std::initializer_list<const at::Tensor*> tensors,
+                                  std::initializer_list<const std::optional<at::Tensor>*> optional = {}) {
+  if (WillBackward(tensors, optional)) return true;
+  for (const at::Tensor* t : tensors) {
+    if (t->defined() && t->_fw_grad(/*level=*/0).defined()) return true;
+  }
+  for (const std::optional<at::Tensor>* t : optional) {
+    if (t->has_value() && (*t)->defined() && (*t)->_fw_grad(/*level=*/0).defined()) return true;
+  }
+  return false;
+}
+
 // The Autograd kernel of an op without a gradient (upstream defines none), boxed so one function
 // serves every such op: it runs the op below autograd, so its outputs never require grad, the
 // kernel's and the reference's alike (a CompositeExplicitAutograd reference would otherwise

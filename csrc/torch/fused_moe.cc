@@ -341,9 +341,9 @@ at::OptionalIntArrayRef ConfigRef(const std::vector<int64_t>& config) {
   return config.empty() ? at::OptionalIntArrayRef() : at::OptionalIntArrayRef(config);
 }
 
-// The plain op runs unless a backward can follow (WillBackward): the autograd Function's forward
-// saves its pre-activations for the backward (whose gate|up product otherwise runs again: a fifth
-// of its products), a [T*k, 2I] buffer (176 MiB at T=4096 top-2 I=2816 fp32) that generation
+// The plain op runs unless a backward can follow or a tangent is attached
+// (NeedsAutogradFunction): the autograd Function's forward saves its pre-activations for the
+// backward (whose gate|up product otherwise runs again: a fifth of its products), a [T*k, 2I] buffer (176 MiB at T=4096 top-2 I=2816 fp32) that generation
 // under no_grad, whose parameters still require grad, must not pay for.
 class FusedExpertsFunction : public torch::autograd::Function<FusedExpertsFunction> {
  public:
@@ -385,7 +385,7 @@ Tensor FusedExpertsAutograd(const Tensor& x, const Tensor& w1, const Tensor& w2,
                             const Tensor& topk_ids, c10::string_view act_fn, const OptTensor& w1_bias,
                             const OptTensor& w2_bias, at::OptionalIntArrayRef config,
                             at::OptionalIntArrayRef bwd_config) {
-  if (!WillBackward({&x, &w1, &w2, &topk_weights}, {&w1_bias, &w2_bias})) {
+  if (!NeedsAutogradFunction({&x, &w1, &w2, &topk_weights}, {&w1_bias, &w2_bias})) {
     static const auto op =
         c10::Dispatcher::singleton().findSchemaOrThrow("tokamax::fused_experts", "").typed<ExpertsSignature>();
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -566,7 +566,7 @@ Tensor FusedMoeAutograd(const Tensor& x, const Tensor& w1, const Tensor& w2, con
                         bool renormalize, c10::string_view act_fn, const OptTensor& w1_bias,
                         const OptTensor& w2_bias, at::OptionalIntArrayRef config,
                         at::OptionalIntArrayRef bwd_config) {
-  if (!WillBackward({&x, &w1, &w2, &gating}, {&w1_bias, &w2_bias})) {
+  if (!NeedsAutogradFunction({&x, &w1, &w2, &gating}, {&w1_bias, &w2_bias})) {
     static const auto op =
         c10::Dispatcher::singleton().findSchemaOrThrow("tokamax::fused_moe", "").typed<MoeSignature>();
     at::AutoDispatchBelowADInplaceOrView guard;

@@ -319,7 +319,7 @@ std::tuple<Tensor, Tensor> GluAutograd(const Tensor& x, const Tensor& weights,
                                        const std::optional<Tensor>& up_weights, c10::string_view activation,
                                        bool return_residuals, at::OptionalIntArrayRef config,
                                        at::OptionalIntArrayRef bwd_config) {
-  if (!WillBackward({&x, &weights}, {&up_weights})) {  // inference: no residuals unless asked for
+  if (!NeedsAutogradFunction({&x, &weights}, {&up_weights})) {  // inference: no residuals unless asked for
     at::AutoDispatchBelowADInplaceOrView guard;
     return ForwardOp().call(x, weights, up_weights, activation, return_residuals, config, bwd_config);
   }

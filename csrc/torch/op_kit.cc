@@ -114,8 +114,8 @@ void CheckNoFunctorchTransform(const char* op) {
     functorch->checkSupportsCppAutogradFunction();
   } catch (const c10::Error&) {
     TORCH_CHECK(false, "tokamax::", op,
-                ": torch.func transforms that differentiate (grad, vjp, jacrev, jacfwd, jvp, hessian) or functionalize "
-                "cannot run this op: its backward is a C++ autograd function, which PyTorch runs under torch.autograd "
+                ": torch.func transforms that differentiate (grad, vjp, jacrev, jacfwd, jvp, hessian) cannot run "
+                "this op: its backward is a C++ autograd function, which PyTorch runs under torch.autograd "
                 "only. Differentiate with loss.backward() or torch.autograd.grad; torch.vmap without them works.");
   }
 }

@@ -76,8 +76,8 @@ typename Config::Product ParseProduct(int64_t product) {
 void RegisterLowerPrecisionAutocast(torch::Library& m, std::initializer_list<const char*> ops);
 void RegisterInputDtypeAutocast(torch::Library& m, std::initializer_list<const char*> ops);
 
-// torch.func's transforms that differentiate (grad, vjp, jacrev, jacfwd, jvp, hessian) and
-// functionalize run an op's Autograd kernel inside their own layer, where PyTorch refuses a C++
+// torch.func's transforms that differentiate (grad, vjp, jacrev, jacfwd, jvp, hessian) run an
+// op's Autograd kernel inside their own layer, where PyTorch refuses a C++
 // torch::autograd::Function with a message that names no op. Each op's Autograd kernel calls this
 // before its Function::apply: the same refusal, naming the op and what works instead
 // (docs/design.md, "torch.vmap and torch.func"). Outside those transforms it costs one
