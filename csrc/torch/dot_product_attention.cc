@@ -603,7 +603,12 @@ class DotProductAttentionFunction : public torch::autograd::Function<DotProductA
 };
 
 std::tuple<Tensor, Tensor> DotProductAttentionAutograd(const AttentionArgs& a) {
-  CheckNoFunctorchTransform("dot_product_attention");
+  if (auto reference = RunReferenceWhereFunctionCannot<std::tuple<Tensor, Tensor>>(
+          kOp, a.query, a.key, a.value, a.bias, a.mask, a.scale, a.is_causal, a.query_seq_lengths,
+          a.key_value_seq_lengths, a.local_window_size, a.logits_soft_cap, a.q_segment_ids, a.kv_segment_ids, a.config,
+          a.bwd_config)) {
+    return *reference;
+  }
   const tensor_list outputs = DotProductAttentionFunction::apply(a.query, a.key, a.value, a.bias, a);
   return {outputs[0], outputs[1]};
 }

@@ -391,7 +391,10 @@ Tensor FusedExpertsAutograd(const Tensor& x, const Tensor& w1, const Tensor& w2,
     at::AutoDispatchBelowADInplaceOrView guard;
     return op.call(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias, config, bwd_config);
   }
-  CheckNoFunctorchTransform("fused_experts");
+  if (auto reference = RunReferenceWhereFunctionCannot<Tensor>("fused_experts", x, w1, w2, topk_weights, topk_ids, act_fn,
+                                                          w1_bias, w2_bias, config, bwd_config)) {
+    return *reference;
+  }
   return FusedExpertsFunction::apply(x, w1, w2, topk_weights, topk_ids, act_fn, w1_bias, w2_bias, config, bwd_config);
 }
 
@@ -572,7 +575,10 @@ Tensor FusedMoeAutograd(const Tensor& x, const Tensor& w1, const Tensor& w2, con
     at::AutoDispatchBelowADInplaceOrView guard;
     return op.call(x, w1, w2, gating, topk, renormalize, act_fn, w1_bias, w2_bias, config, bwd_config);
   }
-  CheckNoFunctorchTransform("fused_moe");
+  if (auto reference = RunReferenceWhereFunctionCannot<Tensor>("fused_moe", x, w1, w2, gating, topk, renormalize, act_fn,
+                                                          w1_bias, w2_bias, config, bwd_config)) {
+    return *reference;
+  }
   return FusedMoeFunction::apply(x, w1, w2, gating, topk, renormalize, act_fn, w1_bias, w2_bias, config, bwd_config);
 }
 

@@ -323,7 +323,10 @@ std::tuple<Tensor, Tensor> GluAutograd(const Tensor& x, const Tensor& weights,
     at::AutoDispatchBelowADInplaceOrView guard;
     return ForwardOp().call(x, weights, up_weights, activation, return_residuals, config, bwd_config);
   }
-  CheckNoFunctorchTransform(kOp);
+  if (auto reference = RunReferenceWhereFunctionCannot<std::tuple<Tensor, Tensor>>(
+          kOp, x, weights, up_weights, activation, return_residuals, config, bwd_config)) {
+    return *reference;
+  }
   const tensor_list out =
       GluFunction::apply(x, weights, up_weights, activation, return_residuals, config, bwd_config);
   // The residuals are not differentiable: detached here rather than marked in the Function

@@ -336,7 +336,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> LayerNormAutograd(const Tensor& x, co
                                                              std::optional<double> scale_offset, bool subtract_mean,
                                                              at::OptionalIntArrayRef config,
                                                              at::OptionalIntArrayRef bwd_config) {
-  CheckNoFunctorchTransform(kOp);
+  if (auto reference = RunReferenceWhereFunctionCannot<std::tuple<Tensor, Tensor, Tensor, Tensor>>(
+          kOp, x, scale, offset, residual, axis, epsilon, scale_offset, subtract_mean, config, bwd_config)) {
+    return *reference;
+  }
   const tensor_list out = LayerNormFunction::apply(x, scale, offset, residual, axis, epsilon, scale_offset,
                                                    subtract_mean, config, bwd_config);
   // mean and rstd, and h without a residual, are not differentiable: detached here rather than

@@ -440,7 +440,11 @@ ForwardResult LceAutograd(const Tensor& x, const Tensor& labels, const Tensor& w
   (void)ActiveIsa(&isa);  // an error here is the kernel's to report
   const bool folds = IsSupportedFloat(x.scalar_type()) && LinearCrossEntropyFolds(ToCoreDType(x.scalar_type(), kOp), isa);
   const bool fold = WillBackward({&x, &weights}) && ParseReduction(reduction) != LossReduction::kNone && folds;
-  CheckNoFunctorchTransform(kOp);
+  if (auto reference = RunReferenceWhereFunctionCannot<ForwardResult>(kOp, x, labels, weights, reduction, ignore_index,
+                                                                  label_smoothing, z_loss_weight, logits_soft_cap,
+                                                                  config, bwd_config)) {
+    return *reference;
+  }
   const tensor_list out = LceFunction::apply(x, labels, weights, reduction, ignore_index, label_smoothing,
                                              z_loss_weight, logits_soft_cap, config, bwd_config, fold);
   return {out[0], out[1]};

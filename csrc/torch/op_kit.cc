@@ -7,6 +7,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <atomic>
+#include <map>
 #include <mutex>
 #include <utility>
 
@@ -105,20 +106,43 @@ void RegisterInputDtypeAutocast(torch::Library& m, std::initializer_list<const c
   for (const char* name : ops) m.impl(name, torch::CppFunction::makeFromBoxedFunction<&InputDtypeAutocast>());
 }
 
-void CheckNoFunctorchTransform(const char* op) {
+bool UnderFunctorchDifferentiation() {
   const auto& functorch = at::functorch::functorchTLSAccessor();
-  if (!functorch) return;  // no transform has run on this thread
-  // PyTorch's own check (ATen/functorch's layer stack is not in the installed headers), its
-  // message replaced by one that names the op.
+  if (!functorch) return false;  // no transform has run on this thread
+  // PyTorch's own check (ATen/functorch's layer stack is not in the installed headers).
   try {
     functorch->checkSupportsCppAutogradFunction();
   } catch (const c10::Error&) {
-    TORCH_CHECK(false, "tokamax::", op,
-                ": torch.func transforms that differentiate (grad, vjp, jacrev, jacfwd, jvp, hessian) cannot run "
-                "this op: its backward is a C++ autograd function, which PyTorch runs under torch.autograd "
-                "only. Differentiate with loss.backward() or torch.autograd.grad; torch.vmap without them works.");
+    return true;
   }
+  return false;
 }
+
+void CheckNoFunctorchTransform(const char* op) {
+  TORCH_CHECK(!UnderFunctorchDifferentiation(), "tokamax::", op,
+              ": torch.func transforms that differentiate (grad, vjp, jacrev, jacfwd, jvp, hessian) cannot run this "
+              "op: its backward is a C++ autograd function, which PyTorch runs under torch.autograd only. "
+              "Differentiate with loss.backward() or torch.autograd.grad; torch.vmap without them works.");
+}
+
+namespace op_kit_detail {
+
+const c10::OperatorHandle& ReferenceInsteadOfFunction(const char* op) {
+  static std::mutex mutex;
+  static std::map<std::string, c10::OperatorHandle> handles;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto found = handles.find(op);
+  if (found == handles.end()) {  // the op's first such call: warn once per op
+    TORCH_WARN("tokamax::", op, " runs its reference (plain ATen ops) under torch.func's differentiating ",
+               "transforms and in forward-mode AD: its kernel's autograd is a C++ autograd function, which serves ",
+               "torch.autograd's backward only. Results are the reference's, at its speed.");
+    const std::string name = std::string("tokamax::") + op + "_reference";
+    found = handles.emplace(op, c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "")).first;
+  }
+  return found->second;
+}
+
+}  // namespace op_kit_detail
 
 }  // namespace tokamax
 

@@ -16,12 +16,16 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include <initializer_list>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "csrc/core/base/config_fields.h"
@@ -78,11 +82,52 @@ void RegisterInputDtypeAutocast(torch::Library& m, std::initializer_list<const c
 
 // torch.func's transforms that differentiate (grad, vjp, jacrev, jacfwd, jvp, hessian) run an
 // op's Autograd kernel inside their own layer, where PyTorch refuses a C++
-// torch::autograd::Function with a message that names no op. Each op's Autograd kernel calls this
-// before its Function::apply: the same refusal, naming the op and what works instead
-// (docs/design.md, "torch.vmap and torch.func"). Outside those transforms it costs one
-// thread-local read.
+// torch::autograd::Function (docs/design.md, "torch.vmap and torch.func").
+// UnderFunctorchDifferentiation: PyTorch's own test for that refusal.
+bool UnderFunctorchDifferentiation();
+
+// The refusal, naming the op: for an op whose reference cannot stand in (ragged_dot's reference
+// is a C++ Function too). Called by the Autograd kernel before its Function::apply.
 void CheckNoFunctorchTransform(const char* op);
+
+namespace op_kit_detail {
+const c10::OperatorHandle& ReferenceInsteadOfFunction(const char* op);  // warns once per op
+
+inline bool HasTangent(const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); }
+inline bool HasTangent(const std::optional<at::Tensor>& t) { return t.has_value() && HasTangent(*t); }
+template <typename T>
+bool HasTangent(const T&) {
+  return false;
+}
+
+template <typename Result>
+Result ResultsFromStack(torch::jit::Stack& stack) {
+  if constexpr (std::is_same_v<Result, at::Tensor>) {
+    return stack.at(0).toTensor();
+  } else {
+    return [&]<size_t... I>(std::index_sequence<I...>) {
+      return Result{stack.at(I).toTensor()...};
+    }(std::make_index_sequence<std::tuple_size_v<Result>>());
+  }
+}
+}  // namespace op_kit_detail
+
+// Where the C++ Function cannot serve a call, a kernel whose reference is made of ATen ops runs
+// the reference instead (`tokamax::<op>_reference`, the same schema): under torch.func's
+// differentiating transforms, and in forward mode (an input carrying a tangent, which the Function
+// refuses). torch.func and forward-mode AD differentiate the reference like any ATen code: the
+// reference's results, within the op's tolerance of the kernel's, at the reference's speed (a
+// warning, once per op, says so). Each such op's Autograd kernel calls this before its
+// Function::apply with the call's schema arguments in order; nullopt where the Function serves.
+template <typename Result, typename... Args>
+std::optional<Result> RunReferenceWhereFunctionCannot(const char* op, const Args&... args) {
+  if (!UnderFunctorchDifferentiation() && !(op_kit_detail::HasTangent(args) || ...)) return std::nullopt;
+  torch::jit::Stack stack;
+  stack.reserve(sizeof...(Args));
+  (stack.emplace_back(args), ...);
+  op_kit_detail::ReferenceInsteadOfFunction(op).callBoxed(&stack);
+  return op_kit_detail::ResultsFromStack<Result>(stack);
+}
 
 // ---- the config recorder: which config each kernel call ran with ------------------------------
 //

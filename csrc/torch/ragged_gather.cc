@@ -162,12 +162,12 @@ class RaggedGatherFunction : public torch::autograd::Function<RaggedGatherFuncti
 };
 
 Tensor RaggedGatherAutograd(const Tensor& x, const Tensor& indices, const Tensor& start, const Tensor& end) {
-  CheckNoFunctorchTransform("ragged_gather");
+  if (auto reference = RunReferenceWhereFunctionCannot<Tensor>("ragged_gather", x, indices, start, end)) return *reference;
   return RaggedGatherFunction::apply(x, indices, start, end, false);
 }
 
 Tensor RaggedScatterAutograd(const Tensor& x, const Tensor& indices, const Tensor& start, const Tensor& end) {
-  CheckNoFunctorchTransform("ragged_scatter");
+  if (auto reference = RunReferenceWhereFunctionCannot<Tensor>("ragged_scatter", x, indices, start, end)) return *reference;
   return RaggedGatherFunction::apply(x, indices, start, end, true);
 }
 

@@ -160,7 +160,10 @@ class RaggedGatherReduceFunction : public torch::autograd::Function<RaggedGather
 
 Tensor RaggedGatherReduceAutograd(const Tensor& x, const Tensor& indices, const Tensor& topk_weights,
                                   const Tensor& valid_rows_mask, c10::SymInt reduce_group_size) {
-  CheckNoFunctorchTransform(kOp);
+  if (auto reference = RunReferenceWhereFunctionCannot<Tensor>(kOp, x, indices, topk_weights, valid_rows_mask,
+                                                          reduce_group_size)) {
+    return *reference;
+  }
   return RaggedGatherReduceFunction::apply(x, indices, topk_weights, valid_rows_mask, reduce_group_size);
 }
 
