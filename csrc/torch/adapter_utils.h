@@ -123,6 +123,10 @@ inline bool WillBackward(std::initializer_list<const at::Tensor*> tensors,
   return false;
 }
 
+// Whether a tensor argument carries a forward-mode tangent (torch.func.jvp, forward_ad).
+inline bool HasTangent(const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); }
+inline bool HasTangent(const std::optional<at::Tensor>& t) { return t.has_value() && HasTangent(*t); }
+
 // Whether a call must go through its autograd Function rather than run the plain op below
 // autograd: a backward can follow (WillBackward), or an input carries a forward-mode tangent
 // (torch.func.jvp, torch.autograd.forward_ad). The Function refuses forward mode loudly; the
@@ -130,13 +134,8 @@ inline bool WillBackward(std::initializer_list<const at::Tensor*> tensors,
 inline bool NeedsAutogradFunction(std::initializer_list<const at::Tensor*> tensors,
                                   std::initializer_list<const std::optional<at::Tensor>*> optional = {}) {
   if (WillBackward(tensors, optional)) return true;
-  for (const at::Tensor* t : tensors) {
-    if (t->defined() && t->_fw_grad(/*level=*/0).defined()) return true;
-  }
-  for (const std::optional<at::Tensor>* t : optional) {
-    if (t->has_value() && (*t)->defined() && (*t)->_fw_grad(/*level=*/0).defined()) return true;
-  }
-  return false;
+  return std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor* t) { return HasTangent(*t); }) ||
+         std::any_of(optional.begin(), optional.end(), [](const std::optional<at::Tensor>* t) { return HasTangent(*t); });
 }
 
 // The Autograd kernel of an op without a gradient (upstream defines none), boxed so one function

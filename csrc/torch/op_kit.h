@@ -31,6 +31,7 @@
 #include "csrc/core/base/config_fields.h"
 #include "csrc/core/runtime/cpu_info.h"
 #include "csrc/core/base/dtype.h"
+#include "csrc/torch/adapter_utils.h"
 
 namespace tokamax {
 
@@ -93,11 +94,13 @@ void CheckNoFunctorchTransform(const char* op);
 namespace op_kit_detail {
 const c10::OperatorHandle& ReferenceInsteadOfFunction(const char* op);  // warns once per op
 
-inline bool HasTangent(const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); }
-inline bool HasTangent(const std::optional<at::Tensor>& t) { return t.has_value() && HasTangent(*t); }
 template <typename T>
-bool HasTangent(const T&) {
-  return false;
+bool ArgumentHasTangent(const T& argument) {
+  if constexpr (std::is_same_v<T, at::Tensor> || std::is_same_v<T, std::optional<at::Tensor>>) {
+    return HasTangent(argument);
+  } else {
+    return false;
+  }
 }
 
 template <typename Result>
@@ -121,7 +124,7 @@ Result ResultsFromStack(torch::jit::Stack& stack) {
 // Function::apply with the call's schema arguments in order; nullopt where the Function serves.
 template <typename Result, typename... Args>
 std::optional<Result> RunReferenceWhereFunctionCannot(const char* op, const Args&... args) {
-  if (!UnderFunctorchDifferentiation() && !(op_kit_detail::HasTangent(args) || ...)) return std::nullopt;
+  if (!UnderFunctorchDifferentiation() && !(op_kit_detail::ArgumentHasTangent(args) || ...)) return std::nullopt;
   torch::jit::Stack stack;
   stack.reserve(sizeof...(Args));
   (stack.emplace_back(args), ...);
