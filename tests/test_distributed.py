@@ -5,8 +5,6 @@ argument to a kernel raises PyTorch's error naming the op, in eager and compiled
 One process, a gloo group of one rank: enough to reach DTensor's dispatch, which is where the
 error, local_map's unwrapping and FSDP2's parameter handling happen."""
 
-import importlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,11 +17,9 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
 from torch.distributed.tensor.experimental import local_map  # noqa: E402
 
-from tokamax_torch import _registry  # noqa: E402
 from tokamax_torch.ops import layer_norm as ln  # noqa: E402
 from tokamax_torch.ops import linear_softmax_cross_entropy_loss as lce  # noqa: E402
-
-CONTRACTS = [importlib.import_module(f"test_{name}").CONTRACT for name in sorted(_registry.families())]
+from test_op_contract import CONTRACTS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
