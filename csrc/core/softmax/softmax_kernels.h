@@ -21,6 +21,10 @@ struct SoftmaxKernels {
   // x[r][c] = -inf unless lo[c] <= r < hi[c]: a range mask (causal, window, lengths) applied
   // to a tile, with lo/hi relative to its first row and exact small integers in float.
   void (*mask_columns)(float* x, int64_t rows, int64_t ld, int64_t cols, const float* lo, const float* hi);
+  // x[r][c] = cap · tanh(x[r][c] / cap) for r < rows, c < cols (any cols <= ld): a logits soft
+  // cap; with `slope` not null, slope[r * ld_slope + c] = 1 - tanh²(x[r][c] / cap), the cap's
+  // derivative, accurate however saturated (vec.h's Tanh).
+  void (*soft_cap)(float* x, int64_t rows, int64_t ld, int64_t cols, float cap, float* slope, int64_t ld_slope);
   // x[r][e] *= scale[r] for r < rows, e < width, skipping rows whose scale is exactly 1.
   void (*scale_rows)(float* x, int64_t ld, int64_t rows, int64_t width, const float* scale);
   // dst[q][h][j] = x[(q * nr + j) * ld + h] for h < cols, zero where q * nr + j >= rows: fp32

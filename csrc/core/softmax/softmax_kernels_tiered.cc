@@ -40,6 +40,25 @@ void MaskColumns(float* x, int64_t rows, int64_t ld, int64_t cols, const float* 
   }
 }
 
+void SoftCap(float* x, int64_t rows, int64_t ld, int64_t cols, float cap, float* slope, int64_t ld_slope) {
+  const Vec cap_v = Set1(cap), inv_cap = Set1(1.0f / cap);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x + r * ld;
+    float* slope_row = slope != nullptr ? slope + r * ld_slope : nullptr;
+    Vec s;
+    int64_t c = 0;
+    for (; c + kLanes <= cols; c += kLanes) {
+      Store(row + c, Mul(cap_v, Tanh(Mul(Load(row + c), inv_cap), slope_row != nullptr ? &s : nullptr)));
+      if (slope_row != nullptr) Store(slope_row + c, s);
+    }
+    if (c < cols) {
+      const int64_t n = cols - c;
+      StorePartial(row + c, Mul(cap_v, Tanh(Mul(LoadPartial(row + c, n), inv_cap), slope_row != nullptr ? &s : nullptr)), n);
+      if (slope_row != nullptr) StorePartial(slope_row + c, s, n);
+    }
+  }
+}
+
 void ScaleRows(float* x, int64_t ld, int64_t rows, int64_t width, const float* scale) {
   for (int64_t r = 0; r < rows; ++r) {
     if (scale[r] == 1.0f) continue;
@@ -102,6 +121,7 @@ const SoftmaxKernels& SoftmaxKernelTable() {
     kernels.column_max = &ColumnMax;
     kernels.exp_columns = &ExpColumns;
     kernels.mask_columns = &MaskColumns;
+    kernels.soft_cap = &SoftCap;
     kernels.scale_rows = &ScaleRows;
     kernels.transpose_panels = &TransposePanels;
     kernels.softmax_grad_columns = &SoftmaxGradColumns;

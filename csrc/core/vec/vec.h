@@ -12,6 +12,9 @@
 //   Exp (flushes below kExpFlushBelow to exactly 0; the same polynomial on every SIMD tier)
 //   InRange(x, r, lo, hi): x where lo <= r < hi lane by lane, -inf elsewhere
 //   GreaterMask(a, b): bit l set where a[l] > b[l] (ordered: never for a NaN lane)
+//   Abs(v), CopySign(magnitude, sign), IfAtLeast(a, b, then, otherwise): `then` where a >= b
+//     lane by lane, `otherwise` elsewhere (ordered: a NaN lane takes `otherwise`)
+//   Tanh(x, slope) (shared, below: tanh and its derivative to a few ulp)
 //   ReduceAdd/ReduceMax(v) (one fixed order), SumLanes(v) (lane i = the sum of v[i]'s lanes,
 //     for kLanes vectors)
 //   LoadWiden(p) (kLanes float, BFloat16Bits, Float16Bits or double elements as fp32 lanes),
@@ -65,6 +68,39 @@ namespace TOKAMAX_TIER_NAMESPACE {
 
 // Shared by every tier: defined on the primitives above.
 inline Vec Zero() { return Set1(0.0f); }
+
+// tanh(x), and when `slope` is not null its derivative 1 - tanh²(x) there, each within ~5 ulp of
+// the exact values on every SIMD tier (the scalar tier: the C library's tanh and 1 / cosh²). From
+// |x| = 0.5 on, with f = exp(-2|x|): tanh = (1 - f) / (1 + f) and 1 - tanh² = 4f / (1 + f)², both
+// free of cancellation (1 - tanh² taken from tanh loses all its digits as tanh saturates); f
+// flushes to 0 past |x| = 43.5 (Exp's cutoff), giving ±1 and a slope of 0 (exactly: below 4e-37),
+// ±inf included. Below 0.5 the odd
+// Taylor series to x^15 (the next term is 1e-8 of tanh there). NaN stays NaN.
+inline Vec Tanh(Vec x, Vec* slope) {
+#if defined(TOKAMAX_TIER_SCALAR)
+  if (slope != nullptr) {
+    const float c = std::cosh(x);  // inf past |x| ~ 89 (c * c past ~ 44): a slope of 0
+    *slope = 1.0f / (c * c);
+  }
+  return std::tanh(x);
+#else
+  const Vec one = Set1(1.0f), y = Abs(x), f = Exp(Mul(Set1(-2.0f), y)), one_plus_f = Add(one, f);
+  const Vec z = Mul(y, y);
+  Vec p = Set1(-929569.0f / 638512875.0f);
+  p = Fma(p, z, Set1(21844.0f / 6081075.0f));
+  p = Fma(p, z, Set1(-1382.0f / 155925.0f));
+  p = Fma(p, z, Set1(62.0f / 2835.0f));
+  p = Fma(p, z, Set1(-17.0f / 315.0f));
+  p = Fma(p, z, Set1(2.0f / 15.0f));
+  p = Fma(p, z, Set1(-1.0f / 3.0f));
+  const Vec series = Fma(Mul(p, z), y, y);
+  const Vec half = Set1(0.5f);
+  if (slope != nullptr) {
+    *slope = IfAtLeast(y, half, Div(Mul(Set1(4.0f), f), Mul(one_plus_f, one_plus_f)), Sub(one, Mul(series, series)));
+  }
+  return CopySign(IfAtLeast(y, half, Div(Sub(one, f), one_plus_f), series), x);
+#endif
+}
 
 // Whether p is aligned for StreamNarrow.
 template <typename T>

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -175,6 +176,52 @@ TEST(TOKAMAX_VEC_SUITE, ExpIsAccurateAndFlushesBelowTheCutoff) {
         EXPECT_NEAR(got[l], want, 4e-7 * want) << "x " << xi;
       }
     }
+  }
+}
+
+// Units in the last place of float at v (the spacing above |v|; the smallest normal's below it).
+double UlpAt(double v) {
+  const float f = std::max(static_cast<float>(std::fabs(v)), std::numeric_limits<float>::min());
+  return static_cast<double>(std::nextafter(f, kInf) - f);
+}
+
+TEST(TOKAMAX_VEC_SUITE, TanhAndItsSlopeAreAccurateIncludingDeepSaturation) {
+  TOKAMAX_SKIP_UNSUPPORTED();
+  std::vector<float> x;
+  for (int i = 0; i <= 4000; ++i) x.push_back(-20.0f + 0.01f * i);       // both branches and the switch at 0.5
+  for (int i = 0; i <= 200; ++i) x.push_back(0.49f + 0.0001f * i);       // around the switch
+  for (int e = -40; e <= 6; ++e) x.push_back(std::ldexp(1.37f, e));      // tiny to large
+  for (float v : {50.0f, 88.0f, 100.0f, 1e30f, kInf, -kInf, 0.0f, -0.0f}) x.push_back(v);
+  while (x.size() % 16 != 0) x.push_back(0.25f);
+  for (size_t i = 0; i < x.size(); i += kLanes) {
+    float t[kLanes], s[kLanes], t_only[kLanes];
+    Vec slope;
+    Store(t, Tanh(Load(x.data() + i), &slope));
+    Store(s, slope);
+    Store(t_only, Tanh(Load(x.data() + i), nullptr));
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const double xi = x[i + l], want_t = std::tanh(xi), c = std::cosh(xi), want_s = 1.0 / (c * c);
+      EXPECT_EQ(t_only[l], t[l]) << "x " << xi;  // the slope does not change tanh's bits
+      EXPECT_LE(std::fabs(t[l] - want_t), 4 * UlpAt(want_t)) << "x " << xi;
+      EXPECT_EQ(std::signbit(t[l]), std::signbit(xi)) << "x " << xi;  // odd, -0 included
+      // The slope relative to itself, however small (the point of computing it apart from tanh),
+      // down to where exp(-2|x|) flushes (below 1e-37): 0 there, or a subnormal.
+      if (-2.0 * std::fabs(xi) >= kExpFlushBelow) {
+        EXPECT_LE(std::fabs(s[l] - want_s), 8 * UlpAt(want_s)) << "x " << xi;
+      } else {
+        EXPECT_LE(s[l], 4e-37f) << "x " << xi;
+        EXPECT_GE(s[l], 0.0f) << "x " << xi;
+      }
+    }
+  }
+  float nan_in[kLanes], nan_t[kLanes], nan_s[kLanes];
+  std::fill(nan_in, nan_in + kLanes, std::numeric_limits<float>::quiet_NaN());
+  Vec nan_slope;
+  Store(nan_t, Tanh(Load(nan_in), &nan_slope));
+  Store(nan_s, nan_slope);
+  for (int64_t l = 0; l < kLanes; ++l) {
+    EXPECT_TRUE(std::isnan(nan_t[l]));
+    EXPECT_TRUE(std::isnan(nan_s[l]));
   }
 }
 

@@ -58,12 +58,12 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
   float* k_panels = Scratch<float>(s, kKPanels, k_tiles.tile_floats());
   float* k_rows = Scratch<float>(s, kKRows, k_row_tiles.tile_floats());
   float* v_panels = Scratch<float>(s, kVPanels, v_tiles.tile_floats());
-  // P, dPᵀ and the soft cap's tanh as [key][row] tiles, SetSpreadingLd(cols) apart (dQ reads dS
+  // P, dPᵀ and the soft cap's slope as [key][row] tiles, SetSpreadingLd(cols) apart (dQ reads dS
   // in place as A).
   const int64_t max_ld_st = SetSpreadingLd(max_cols);
   float* st = Scratch<float>(s, kSt, kv_rows * max_ld_st);
   float* dpt = InPlaceTileScratch(s, kDpt, kv_rows, max_ld_st);
-  float* tanh_values = p.logits_soft_cap > 0.0f ? Scratch<float>(s, kTanh, kv_rows * max_ld_st) : nullptr;
+  float* cap_slopes = p.logits_soft_cap > 0.0f ? Scratch<float>(s, kCapSlope, kv_rows * max_ld_st) : nullptr;
   // Packed P or dS, the O rows before the first tile, and for bf16 dQ as rows after the last.
   float* a_panels = Scratch<float>(s, kAPanels, std::max({kv_rows * max_cols, max_rows * ld_dv, max_rows * ld_dq}));
   float* dq_acc = Scratch<float>(s, kDqAcc, std::max(RoundUp(max_rows, mr) * ld_dq, d.head_dim * max_cols));
@@ -149,7 +149,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
           TileGemm(gemm, d.head_dim, k_tiles.Tile(b, kv_head, s0, keys, k_panels), key_panels,
                    PackedB(q_panels, d.head_dim, nr), cols / nr, st, ld_st, false);
         }
-        FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, ld_st, tanh_values);
+        FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, ld_st, cap_slopes);
         k.softmax->exp_columns(st, keys, ld_st, cols, lse_sub, nullptr);
         // dV_tile += P · dO; dPᵀ = V_tile · dOᵀ.
         if (bf16) {
@@ -168,11 +168,9 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
         }
         // dS = P ∘ (dP - delta), times the soft cap's derivative.
         k.softmax->softmax_grad_columns(st, dpt, keys, ld_st, cols, delta);
-        if (tanh_values != nullptr) {
+        if (cap_slopes != nullptr) {
           for (int64_t j = 0; j < keys; ++j) {
-            for (int64_t r = 0; r < cols; ++r) {
-              dpt[j * ld_st + r] *= 1.0f - tanh_values[j * ld_st + r] * tanh_values[j * ld_st + r];
-            }
+            for (int64_t r = 0; r < cols; ++r) dpt[j * ld_st + r] *= cap_slopes[j * ld_st + r];
           }
         }
         if (g.dbias != nullptr) {

@@ -106,7 +106,7 @@ struct RowMasks {
 enum TaskScratchSlot : int {
   kQPanels, kQRows, kKPanels, kSt, kVPanels, kAcc, kMax, kSum, kSub, kAlpha, kTileMax, kOutRows,
   kQVnni, kPVnni, kQBf16Rows, kRowsVnniBlock,
-  kDoPanels, kDoRows, kQBPanels, kDoBPanels, kKRows, kDpt, kTanh, kAPanels, kDqAcc, kLseSub, kDelta,
+  kDoPanels, kDoRows, kQBPanels, kDoBPanels, kKRows, kDpt, kCapSlope, kAPanels, kDqAcc, kLseSub, kDelta,
   kDoVnni, kQRowVnni, kDoRowVnni, kTileRows, kTileVnni, kNumTaskScratchSlots
 };
 static_assert(kNumTaskScratchSlots <= ScratchLease::kSlots, "one lease's slots");
@@ -171,9 +171,11 @@ Status GetKernels(Kernels* kernels);
 Status BeginCall(const DotProductAttentionParams& p, const DotProductAttentionConfig& config, Kernels* kernels);
 
 // Turns st[key][row] = scale·q·k of tile [s0, s0 + keys) into final logits: + bias, soft cap,
-// then -inf where masked. When `tanh_out` is set it receives tanh(logit / cap) (backward).
+// then -inf where masked. When `cap_slope_out` is set it receives the soft cap's derivative
+// 1 - tanh²(logit / cap) (backward), computed apart from tanh: from a float tanh it would cancel
+// where the cap saturates (at |logit / cap| = 6.7, 1 - t² has 1e-2 relative error).
 void FinishLogits(const DotProductAttentionParams& p, const Kernels& k, const TaskRows& rows, const RowMasks& rm,
-                  int64_t s0, int64_t keys, TileVisibility visibility, float* st, int64_t ld, float* tanh_out);
+                  int64_t s0, int64_t keys, TileVisibility visibility, float* st, int64_t ld, float* cap_slope_out);
 
 // The bf16 product engine (AMX tiles or vdpbf16ps) takes bf16 q, k and v whose head dims fit
 // whole tiles; anything else keeps the fp32 micro-kernels.

@@ -141,7 +141,7 @@ Status GetKernels(Kernels* kernels) {
 }
 
 void FinishLogits(const DotProductAttentionParams& p, const Kernels& k, const TaskRows& rows, const RowMasks& rm,
-                  int64_t s0, int64_t keys, TileVisibility visibility, float* st, int64_t ld, float* tanh_out) {
+                  int64_t s0, int64_t keys, TileVisibility visibility, float* st, int64_t ld, float* cap_slope_out) {
   const int64_t count = rows.count();
   if (p.bias.data != nullptr) {
     for (int64_t r = 0; r < count; ++r) {
@@ -151,14 +151,7 @@ void FinishLogits(const DotProductAttentionParams& p, const Kernels& k, const Ta
     }
   }
   if (p.logits_soft_cap > 0.0f) {
-    const float cap = p.logits_soft_cap, inv_cap = 1.0f / p.logits_soft_cap;
-    for (int64_t j = 0; j < keys; ++j) {
-      for (int64_t r = 0; r < count; ++r) {
-        const float th = std::tanh(st[j * ld + r] * inv_cap);
-        if (tanh_out != nullptr) tanh_out[j * ld + r] = th;
-        st[j * ld + r] = cap * th;
-      }
-    }
+    k.softmax->soft_cap(st, keys, ld, count, p.logits_soft_cap, cap_slope_out, ld);
   }
   if (visibility == TileVisibility::kFull) return;
   // Ranges (SetTileRanges), vectorized across rows.

@@ -14,6 +14,7 @@
 #include "csrc/core/runtime/large_buffer.h"
 #include "csrc/core/runtime/parallel.h"
 #include "csrc/core/runtime/scratch_arena.h"
+#include "csrc/core/softmax/softmax_kernels.h"
 #include "csrc/core/vec/tiers.h"
 
 namespace tokamax {
@@ -117,13 +118,14 @@ struct Kernel {
   const LinearCrossEntropyConfig& grad_config;  // the fold's gradient products (LinearCrossEntropy)
   const GemmKernels& gemm;
   const LinearCrossEntropyKernels& columns;
+  const SoftmaxKernels& softmax;  // its soft cap
   int64_t batch, hidden, vocab;
   DType acc_dtype = std::is_same_v<Acc, double> ? DType::kFloat64 : DType::kFloat32;
 
   Kernel(const LinearCrossEntropyParams& params, const LinearCrossEntropyConfig& c, const LinearCrossEntropyConfig& g,
          Isa isa)
       : p(params), config(c), grad_config(g), gemm(GetGemmKernels(isa)), columns(GetLinearCrossEntropyKernels(isa)),
-        batch(params.x.sizes[0]), hidden(params.x.sizes[1]), vocab(params.w.sizes[1]) {}
+        softmax(GetSoftmaxKernels(isa)), batch(params.x.sizes[0]), hidden(params.x.sizes[1]), vocab(params.w.sizes[1]) {}
 
   int64_t Label(int64_t r) const { return p.labels[r * p.labels_stride]; }
   bool Ignored(int64_t r) const { return Label(r) == p.ignore_index; }
@@ -132,11 +134,14 @@ struct Kernel {
   void LogitsTile(int64_t r0, int64_t n, int64_t v0, int64_t rows, Acc* tile, int64_t ld) const {
     const MutableMatrix c{tile, acc_dtype, rows, n, ld, 1};
     GemmRegion(gemm, Wt(p.w, v0, rows), Xt(p.x, r0, n), c, 0, rows, 0, n, Blocking(config));
-    if (p.logits_soft_cap > 0) {  // a scalar tanh: the soft cap is an option, not the hot path
-      const Acc cap = static_cast<Acc>(p.logits_soft_cap), inv = Acc(1) / cap;
+    if (p.logits_soft_cap <= 0) return;
+    if constexpr (std::is_same_v<Acc, double>) {
+      const double cap = p.logits_soft_cap, inv = 1.0 / cap;
       for (int64_t v = 0; v < rows; ++v) {
         for (int64_t j = 0; j < n; ++j) tile[v * ld + j] = cap * std::tanh(tile[v * ld + j] * inv);
       }
+    } else {
+      softmax.soft_cap(tile, rows, ld, n, static_cast<float>(p.logits_soft_cap), nullptr, 0);
     }
   }
 

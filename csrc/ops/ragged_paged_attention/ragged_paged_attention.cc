@@ -236,12 +236,7 @@ void RunTask(const RaggedPagedAttentionParams& p, const RaggedPagedAttentionConf
         }
       }
     });
-    if (p.soft_cap > 0) {
-      const float cap = p.soft_cap, inv = 1.0f / p.soft_cap;
-      for (int64_t j = 0; j < keys; ++j) {
-        for (int64_t c = 0; c < rows; ++c) st[j * cols + c] = cap * std::tanh(st[j * cols + c] * inv);
-      }
-    }
+    if (p.soft_cap > 0) k.softmax->soft_cap(st, keys, cols, rows, p.soft_cap, nullptr, 0);
     // A mask only where some row does not see the whole tile.
     if (s0 < all_lo || s1 > all_hi) {
       if (p.has_mask_value) {
