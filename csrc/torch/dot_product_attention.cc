@@ -423,10 +423,20 @@ BackwardResult DotProductAttentionBackwardCpu(const AttentionArgs& a, const Grad
     g.dbias_sum_batches = shared_by_batches && DotProductAttentionBackwardTasksPerBatch(
                                                    sig.q_len.expect_int(), sig.kv_heads.expect_int(), resolved) >=
                                                    at::get_num_threads();
-    dense_dbias = NewOutput({g.dbias_sum_batches ? 1 : batch, sig.q_heads.expect_int(), sig.q_len.expect_int(),
-                             sig.kv_len.expect_int()},
-                            a.query.options().dtype(sig.lse_dtype));
-    g.dbias = dense_dbias.data_ptr();
+    const std::vector<int64_t> dense_sizes = {g.dbias_sum_batches ? 1 : batch, sig.q_heads.expect_int(),
+                                              sig.q_len.expect_int(), sig.kv_len.expect_int()};
+    // A bias with every head, query and key (its batch dimension as the kernel writes it) whose
+    // gradient is contiguous in the dtype the kernel accumulates in: written in place, without
+    // a dense buffer and its copy (256 MiB each for 16 heads at T = S = 2048).
+    const bool whole = shared_by_batches ? (g.dbias_sum_batches || batch == 1) : true;
+    if (whole && dbias.scalar_type() == sig.lse_dtype && dbias.is_contiguous() &&
+        dbias.numel() == c10::multiply_integers(dense_sizes) && dbias.dim() >= 3 &&
+        dbias.size(-1) == dense_sizes[3] && dbias.size(-2) == dense_sizes[2] && dbias.size(-3) == dense_sizes[1]) {
+      g.dbias = dbias.data_ptr();
+    } else {
+      dense_dbias = NewOutput(dense_sizes, a.query.options().dtype(sig.lse_dtype));
+      g.dbias = dense_dbias.data_ptr();
+    }
   }
   const Status status = DotProductAttentionBackward(g, resolved);
   TORCH_CHECK(status.ok(), status.message());
@@ -436,7 +446,10 @@ BackwardResult DotProductAttentionBackwardCpu(const AttentionArgs& a, const Grad
       for (int64_t b = 0; b < batch; ++b) summed.add_(dense_dbias[b]);
       dense_dbias = summed.unsqueeze(0);
     }
-    dbias.copy_(dense_dbias.sum_to_size(a.bias->sizes()));
+    // Only dimensions of size 1 apart (a bias of every head, query and key in another dtype):
+    // one converting copy, not a sum that allocates a dense result first.
+    dbias.copy_(dense_dbias.numel() == dbias.numel() ? dense_dbias.view(dbias.sizes())
+                                                     : dense_dbias.sum_to_size(a.bias->sizes()));
   }
   return {dq, dk, dv, dbias};
 }

@@ -144,11 +144,16 @@ void FinishLogits(const DotProductAttentionParams& p, const Kernels& k, const Ta
                   int64_t s0, int64_t keys, TileVisibility visibility, float* st, int64_t ld, float* cap_slope_out) {
   const int64_t count = rows.count();
   if (p.bias.data != nullptr) {
-    for (int64_t r = 0; r < count; ++r) {
-      for (int64_t j = 0; j < keys; ++j) {
-        st[j * ld + r] += attention::LoadElement(p.bias, rows.b, rows.n(r), rows.t(r), s0 + j);
+    // Row by row along the keys: the dtype dispatched and each row's address taken once.
+    DispatchDType(p.bias.dtype, [&](auto tag) {
+      using T = decltype(tag);
+      const int64_t key_stride = p.bias.strides[3];
+      for (int64_t r = 0; r < count; ++r) {
+        const T* row = static_cast<const T*>(p.bias.data) + p.bias.Offset(rows.b, rows.n(r), rows.t(r), s0);
+        for (int64_t j = 0; j < keys; ++j) st[j * ld + r] += LoadAsFloat(row + j * key_stride);
       }
-    }
+      return 0;
+    });
   }
   if (p.logits_soft_cap > 0.0f) {
     k.softmax->soft_cap(st, keys, ld, count, p.logits_soft_cap, cap_slope_out, ld);
