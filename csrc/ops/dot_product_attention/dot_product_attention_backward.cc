@@ -137,7 +137,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
       }
     }
     if (any_visible) {
-      ForEachVisibleTile(p.masks, s.row_masks, b, count, 0, d.kv_len, block,
+      ForEachVisibleTile(p.masks, s.row_masks, rows, 0, d.kv_len, block,
                          [&](int64_t s0, TileVisibility visibility, int64_t keys) {
         const int64_t key_panels = CeilDiv(keys, mr);
         const int64_t key_tiles = RoundUp(keys, kBf16TileRows);  // bf16: rows of the key-major products

@@ -70,7 +70,7 @@ void ForwardRowTask(const DotProductAttentionParams& p, const Dims& d, const Ker
   std::fill(max, max + cols, kNegInf);
   std::fill(sum, sum + cols, 0.0f);
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
-  ForEachVisibleTile(p.masks, s.row_masks, rows.b, count, kv_begin, kv_end, block,
+  ForEachVisibleTile(p.masks, s.row_masks, rows, kv_begin, kv_end, block,
                      [&](int64_t s0, TileVisibility visibility, int64_t keys) {
     // run(h, first row of (kv head h, position), j0, keys of the run, next) over x's runs, in
     // memory order: every head of a run before the next run when one key's heads are adjacent

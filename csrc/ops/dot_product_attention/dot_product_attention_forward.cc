@@ -87,7 +87,7 @@ void ForwardTask(const DotProductAttentionParams& p, const Dims& d, const Kernel
     k.softmax->transpose_panels(q_rows, d.head_dim, count, d.head_dim, nr, q_panels);
   }
   ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
-  ForEachVisibleTile(p.masks, s.row_masks, rows.b, count, kv_begin, kv_end, block,
+  ForEachVisibleTile(p.masks, s.row_masks, rows, kv_begin, kv_end, block,
                      [&](int64_t s0, TileVisibility visibility, int64_t keys) {
     // st = K_tile · (scale·Q)ᵀ, then the logits' epilogue and masks.
     if (bf16) {

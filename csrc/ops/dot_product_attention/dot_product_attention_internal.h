@@ -139,17 +139,20 @@ inline int64_t ClippedKeys(const RowMasks& rm, int64_t s0, int64_t keys) { retur
 // once per tile, shared by every head. Padding columns (r >= count) see the whole tile.
 void SetTileRanges(RowMasks& rm, int64_t count, int64_t s0, int64_t keys);
 
-TileVisibility ClassifyTile(const AttentionMasks& m, const RowMasks& rm, int64_t b, int64_t s0, int64_t s1);
+// kNone when no row sees a key of the tile (ranges, segments or the bool mask), kFull when every
+// row sees every key (no mask to apply), else kPartial.
+TileVisibility ClassifyTile(const AttentionMasks& m, const RowMasks& rm, const TaskRows& rows, int64_t s0, int64_t s1);
 
 // Calls fn(s0, visibility, keys) for each kv tile [s0, s0 + block) of [begin, end) that some of
 // a task's rows see, skipping the rest: keys is clipped to the last key any row sees, and a
 // partial tile has its per-row ranges set for the masks first.
 template <typename Fn>
-void ForEachVisibleTile(const AttentionMasks& m, RowMasks& rm, int64_t b, int64_t count, int64_t begin, int64_t end,
+void ForEachVisibleTile(const AttentionMasks& m, RowMasks& rm, const TaskRows& rows, int64_t begin, int64_t end,
                         int64_t block, Fn&& fn) {
+  const int64_t count = rows.count();
   for (int64_t s0 = begin; s0 < end; s0 += block) {
     const int64_t s1 = std::min(s0 + block, end);
-    const TileVisibility visibility = ClassifyTile(m, rm, b, s0, s1);
+    const TileVisibility visibility = ClassifyTile(m, rm, rows, s0, s1);
     if (visibility == TileVisibility::kNone) continue;
     const int64_t keys = ClippedKeys(rm, s0, s1 - s0);
     if (visibility == TileVisibility::kPartial) SetTileRanges(rm, count, s0, keys);

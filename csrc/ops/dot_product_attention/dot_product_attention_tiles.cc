@@ -3,6 +3,7 @@
 // (bias, soft cap, masks).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 
 #include "csrc/core/runtime/isa.h"
@@ -109,7 +110,33 @@ void SetTileRanges(RowMasks& rm, int64_t count, int64_t s0, int64_t keys) {
   }
 }
 
-TileVisibility ClassifyTile(const AttentionMasks& m, const RowMasks& rm, int64_t b, int64_t s0, int64_t s1) {
+namespace {
+
+// Whether the bool mask shows any, and every, key of [begin, end) to row `row` (its bytes from
+// `row` on, `stride` apart): words of 8 bytes where the keys are contiguous.
+void ScanMaskRun(const uint8_t* row, int64_t stride, int64_t begin, int64_t end, bool* any, bool* all) {
+  int64_t s = begin;
+  if (stride == 1) {
+    constexpr uint64_t kLows = 0x0101010101010101ull, kHighs = 0x8080808080808080ull;
+    for (; s + 8 <= end; s += 8) {
+      uint64_t word;
+      std::memcpy(&word, row + s, sizeof(word));
+      if (word != 0) *any = true;
+      if (((word - kLows) & ~word & kHighs) != 0) *all = false;  // some byte is zero
+      if (*any && !*all) return;
+    }
+  }
+  for (; s < end; ++s) {
+    if (row[s * stride] != 0) *any = true;
+    else *all = false;
+  }
+}
+
+}  // namespace
+
+TileVisibility ClassifyTile(const AttentionMasks& m, const RowMasks& rm, const TaskRows& rows, int64_t s0,
+                            int64_t s1) {
+  const int64_t b = rows.b;
   bool any = false, all = true;
   for (const attention::KeyRange& range : rm.ranges) {
     const int64_t begin = std::max(range.begin, s0), end = std::min(range.end, s1);
@@ -125,6 +152,22 @@ TileVisibility ClassifyTile(const AttentionMasks& m, const RowMasks& rm, int64_t
       hi = std::max(hi, id);
     }
     if (hi < rm.min_segment || lo > rm.max_segment) return TileVisibility::kNone;
+  }
+  if (m.mask != nullptr) {
+    // A tile the bool mask hides from every row is skipped like one outside the ranges (a
+    // causal mask passed as a tensor: half the tiles); one it shows whole needs no mask.
+    // Rows that differ only by head share a mask row when the mask is broadcast over heads.
+    const int64_t* st = m.mask_strides;
+    const int64_t step = st[1] == 0 ? rows.group : 1;
+    bool mask_any = false, mask_all = true;
+    for (int64_t r = 0; r < rows.count() && !(mask_any && !mask_all); r += step) {
+      const int64_t begin = std::max(rm.ranges[r].begin, s0), end = std::min(rm.ranges[r].end, s1);
+      if (begin >= end) continue;
+      ScanMaskRun(m.mask + b * st[0] + rows.n(r) * st[1] + rows.t(r) * st[2], st[3], begin, end, &mask_any,
+                  &mask_all);
+    }
+    if (!mask_any) return TileVisibility::kNone;
+    if (all && mask_all && m.q_segment_ids == nullptr) return TileVisibility::kFull;
   }
   return all && !attention::HasElementMasks(m) ? TileVisibility::kFull : TileVisibility::kPartial;
 }
