@@ -425,6 +425,41 @@ def test_gradients_of_large_and_odd_head_dims_match_float64_reference(h, hv, dty
                                              [dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_shape", ["t,s", "b,n,t,s"])
+def test_bool_mask_tiles_hidden_whole_shown_whole_or_by_one_key(dtype, mask_shape):
+    # The kernel skips kv tiles a bool mask hides from every row of a task and applies no mask
+    # to tiles it shows whole (ClassifyTile). 64-key tiles over 200 keys: a causal mask as a
+    # tensor has both kinds (and diagonal ones); one key left visible in an otherwise hidden
+    # band must keep its tile. Against the causal range mask (same visible keys) and the
+    # float64 reference.
+    t = s = 200
+    q, k, v = make_qkv(2, t, s, 4, 2, 16, dtype=dtype)
+    causal = torch.ones(t, s, dtype=torch.bool).tril()
+    banded = causal.clone()
+    banded[100:, 64:128] = False  # a whole tile hidden from the later query blocks...
+    banded[150, 70] = True        # ...but for one key of one row
+    masks = {"causal": causal, "banded": banded}
+    configs = (dpa.Config(block_q=32, block_kv=64, num_splits=1), dpa.Config(block_q=32, block_kv=64, num_splits=1))
+    for name, mask in masks.items():
+        full = mask.expand(2, 4, t, s).contiguous() if mask_shape == "b,n,t,s" else mask
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        out = dpa.kernel(*leaves, mask=full, configs=configs)
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        wide = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+        want = dpa.reference(*wide, mask=mask)
+        want_grads = torch.autograd.grad(want, wide, torch.ones_like(want))
+        assert rel_error(out, want) <= TOLERANCE[dtype], name
+        for g, w in zip(grads, want_grads):
+            assert rel_error(g, w) <= GRAD_TOLERANCE[dtype], name
+        if name == "causal":
+            ranged = dpa.kernel(q, k, v, is_causal=True, configs=configs)
+            torch.testing.assert_close(out, ranged, rtol=1e-6, atol=1e-6)
+        else:
+            row = dpa.reference(q[:, 150:151].double(), k.double(), v.double(), mask=mask[150:151])
+            torch.testing.assert_close(out[:, 150:151].double(), row, rtol=2 * TOLERANCE[dtype], atol=2 * TOLERANCE[dtype])
+
+
 def test_saturated_soft_cap_gradients_keep_their_relative_precision():
     # Every logit deep in the cap's saturation (|logit / cap| ~ 6.7, found by the property test):
     # the cap's slope 1 - tanh² is ~7e-6, and taken from a float tanh it cancels to 3e-3 relative
