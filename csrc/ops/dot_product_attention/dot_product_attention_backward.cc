@@ -96,6 +96,15 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
     const int64_t ld_st = SetSpreadingLd(cols);
     const int64_t row_panels = CeilDiv(count, mr);
     ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
+    // The block's rows of dbias start at 0 (the first batch's, when the batches sum into one):
+    // zeroed by the task that owns them, in parallel and just before its tiles add to them.
+    if (g.dbias != nullptr && (!g.dbias_sum_batches || b == 0)) {
+      for (int64_t r = 0; r < count; ++r) {
+        float* row = static_cast<float*>(g.dbias) + ((rows.n(r) + (g.dbias_sum_batches ? 0 : b) * d.q_heads) * d.q_len +
+                                                     rows.t(r)) * d.kv_len;
+        std::fill(row, row + d.kv_len, 0.0f);
+      }
+    }
     const int64_t dq_floats = bf16 ? d.head_dim * cols : row_panels * mr * ld_dq;
     std::fill(dq_acc, dq_acc + dq_floats, 0.0f);
     // A block no row of which sees a key (past its length) has dq = 0 and needs no operands.
@@ -252,10 +261,6 @@ Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const
   // page takes one plain fault.
   LargeBuffer<float> dk_acc(splits * heads * acc_rows * ld_dk, LargeBuffer<float>::kUninitialized);
   LargeBuffer<float> dv_acc(splits * heads * acc_rows * ld_dv, LargeBuffer<float>::kUninitialized);
-  if (g.dbias != nullptr) {
-    float* dbias = static_cast<float*>(g.dbias);
-    std::fill(dbias, dbias + (g.dbias_sum_batches ? 1 : d.batch) * d.q_heads * d.q_len * d.kv_len, 0.0f);
-  }
   // Several query blocks read each kv tile: pack K, V and K's rows once.
   const bool use_bf16 = UseBf16ProductsBackward(g, k) && d.kv_len > 0;
   const bool pack_all = q_blocks > 1 && d.kv_len > 0 && !use_bf16;
