@@ -425,45 +425,82 @@ def test_gradients_of_large_and_odd_head_dims_match_float64_reference(h, hv, dty
                                              [dtype])
 
 
+def _assert_masked_call_matches_reference(q, k, v, bias=None, mask=None, configs=None, **kwargs):
+    """Output and gradients (q, k, v and the bias) of the kernel against the float64 reference."""
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)] + ([bias.detach().requires_grad_(True)] if bias is not None else [])
+    out = dpa.kernel(*leaves[:3], leaves[3] if bias is not None else None, mask, configs=configs, **kwargs)
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    wide = [x.detach().double().requires_grad_(True) for x in leaves]
+    want = dpa.reference(*wide[:3], wide[3] if bias is not None else None, mask, **kwargs)
+    want_grads = torch.autograd.grad(want, wide, torch.ones_like(want))
+    dtype = q.dtype
+    assert rel_error(out, want) <= TOLERANCE[dtype]
+    for g, w in zip(grads, want_grads):
+        assert rel_error(g, w) <= GRAD_TOLERANCE[dtype]
+    return out, want
+
+
+_TILES = (dpa.Config(block_q=32, block_kv=64, num_splits=1),) * 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mask_shape", ["t,s", "b,n,t,s"])
 def test_bool_mask_tiles_hidden_whole_shown_whole_or_by_one_key(dtype, mask_shape):
     # The kernel skips kv tiles a bool mask hides from every row of a task and applies no mask
     # to tiles it shows whole (ClassifyTile). 64-key tiles over 200 keys: a causal mask as a
     # tensor has both kinds (and diagonal ones); one key left visible in an otherwise hidden
-    # band must keep its tile. Against the causal range mask (same visible keys) and the
-    # float64 reference.
+    # band must keep its tile (fp32 sees a dropped key: it carries ~1/88 of its row's weight).
     t = s = 200
     q, k, v = make_qkv(2, t, s, 4, 2, 16, dtype=dtype)
     causal = torch.ones(t, s, dtype=torch.bool).tril()
     banded = causal.clone()
     banded[100:, 64:128] = False  # a whole tile hidden from the later query blocks...
     banded[150, 70] = True        # ...but for one key of one row
-    masks = {"causal": causal, "banded": banded}
-    configs = (dpa.Config(block_q=32, block_kv=64, num_splits=1), dpa.Config(block_q=32, block_kv=64, num_splits=1))
-    for name, mask in masks.items():
+    for name, mask in {"causal": causal, "banded": banded}.items():
         full = mask.expand(2, 4, t, s).contiguous() if mask_shape == "b,n,t,s" else mask
-        leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
-        out = dpa.kernel(*leaves, mask=full, configs=configs)
-        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
-        wide = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
-        want = dpa.reference(*wide, mask=mask)
-        want_grads = torch.autograd.grad(want, wide, torch.ones_like(want))
-        assert rel_error(out, want) <= TOLERANCE[dtype], name
-        for g, w in zip(grads, want_grads):
-            assert rel_error(g, w) <= GRAD_TOLERANCE[dtype], name
+        out, want = _assert_masked_call_matches_reference(q, k, v, mask=full, configs=_TILES)
         if name == "causal":
-            ranged = dpa.kernel(q, k, v, is_causal=True, configs=configs)
-            torch.testing.assert_close(out, ranged, rtol=1e-6, atol=1e-6)
-        else:
-            row = dpa.reference(q[:, 150:151].double(), k.double(), v.double(), mask=mask[150:151])
-            torch.testing.assert_close(out[:, 150:151].double(), row, rtol=2 * TOLERANCE[dtype], atol=2 * TOLERANCE[dtype])
+            torch.testing.assert_close(out, dpa.kernel(q, k, v, is_causal=True, configs=_TILES), rtol=1e-6, atol=1e-6)
+        elif dtype == torch.float32:
+            assert rel_error(out[:, 150], want[:, 150]) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bool_mask_per_head_and_batch_with_other_masks_and_bias(dtype):
+    # A mask that differs per batch and per head of one GQA group (so rows of one task differ),
+    # hiding whole tiles from some heads only, combined with segment ids, query lengths and the
+    # causal flag, with a bias whose gradient must be 0 where tiles were skipped; and the decode
+    # row path (one query) over 300 keys.
+    b, t, s, n, kv = 2, 200, 200, 4, 2
+    q, k, v = make_qkv(b, t, s, n, kv, 16, dtype=dtype)
+    mask = torch.ones(b, n, t, s, dtype=torch.bool)
+    mask[1, 1, 100:, 64:128] = False  # batch 1, the group's second head: a tile hidden from it alone
+    mask[0, 3, :, :64] = False        # batch 0, head 3: the first tile hidden...
+    mask[0, 3, 120, 10] = True        # ...but for one key of one query
+    mask[1, 0, :, 128:192] = False    # batch 1, a group's first head only: a scan of one head per
+                                      # group would skip the tile its second head sees
+    mask[0, :, :, 192:] = False       # the last tile hidden in batch 0 only: batch 1 must not read it
+    bias = torch.randn(b, n, t, s).to(dtype)
+    _assert_masked_call_matches_reference(q, k, v, bias=bias, mask=mask, configs=_TILES)
+    segments = torch.tensor([[0] * 120 + [1] * 80, [0] * 60 + [1] * 140], dtype=torch.int32)
+    _assert_masked_call_matches_reference(q, k, v, bias=bias, mask=mask, configs=_TILES, is_causal=True,
+                                          q_segment_ids=segments, kv_segment_ids=segments,
+                                          query_seq_lengths=torch.tensor([170, 200]))
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)] + [bias.detach().requires_grad_(True)]
+    out = dpa.kernel(*leaves[:3], leaves[3], mask, configs=_TILES)
+    dbias = torch.autograd.grad(out, leaves[3], torch.ones_like(out))[0]
+    assert torch.equal(dbias[~mask], torch.zeros_like(dbias[~mask]))  # skipped tiles add nothing
+    qd, kd, vd = make_qkv(b, 1, 300, n, kv, 16, dtype=dtype)
+    decode_mask = torch.ones(b, n, 1, 300, dtype=torch.bool)
+    decode_mask[0, :2, :, 64:192] = False
+    decode_mask[1, 3, :, :256] = False
+    _assert_masked_call_matches_reference(qd, kd, vd, mask=decode_mask, configs=_TILES)
 
 
 def test_saturated_soft_cap_gradients_keep_their_relative_precision():
     # Every logit deep in the cap's saturation (|logit / cap| ~ 6.7, found by the property test):
     # the cap's slope 1 - tanh² is ~7e-6, and taken from a float tanh it cancels to 3e-3 relative
-    # error (PyTorch's fp32 autograd of the same formula). The kernel takes it as 1 / cosh².
+    # error (PyTorch's fp32 autograd of the same formula). The kernel computes it apart from tanh.
     q = torch.tensor([[[[1.5410, -0.2934, -2.1788, 0.5684]]]], dtype=torch.float64, requires_grad=True)
     k = torch.tensor([[[[-1.0845, -1.3986, 0.4033, 0.8380]]]], dtype=torch.float64, requires_grad=True)
     v = torch.tensor([[[[-0.7193]]]], dtype=torch.float64, requires_grad=True)

@@ -428,7 +428,7 @@ BackwardResult DotProductAttentionBackwardCpu(const AttentionArgs& a, const Grad
     // A bias with every head, query and key (its batch dimension as the kernel writes it) whose
     // gradient is contiguous in the dtype the kernel accumulates in: written in place, without
     // a dense buffer and its copy (256 MiB each for 16 heads at T = S = 2048).
-    const bool whole = shared_by_batches ? (g.dbias_sum_batches || batch == 1) : true;
+    const bool whole = !shared_by_batches || g.dbias_sum_batches;
     if (whole && dbias.scalar_type() == sig.lse_dtype && dbias.is_contiguous() &&
         dbias.numel() == c10::multiply_integers(dense_sizes) && dbias.dim() >= 3 &&
         dbias.size(-1) == dense_sizes[3] && dbias.size(-2) == dense_sizes[2] && dbias.size(-3) == dense_sizes[1]) {

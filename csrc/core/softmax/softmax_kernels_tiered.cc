@@ -45,15 +45,20 @@ void SoftCap(float* x, int64_t rows, int64_t ld, int64_t cols, float cap, float*
   for (int64_t r = 0; r < rows; ++r) {
     float* row = x + r * ld;
     float* slope_row = slope != nullptr ? slope + r * ld_slope : nullptr;
+    // x -> (capped, slope) on one vector; whole vectors, then the tail's partial ones (AVX2's
+    // masked stores are slow: only where needed).
+    auto cap_lanes = [&](Vec x, Vec* slope_lanes) {
+      return Mul(cap_v, Tanh(Mul(x, inv_cap), slope_row != nullptr ? slope_lanes : nullptr));
+    };
     Vec s;
     int64_t c = 0;
     for (; c + kLanes <= cols; c += kLanes) {
-      Store(row + c, Mul(cap_v, Tanh(Mul(Load(row + c), inv_cap), slope_row != nullptr ? &s : nullptr)));
+      Store(row + c, cap_lanes(Load(row + c), &s));
       if (slope_row != nullptr) Store(slope_row + c, s);
     }
     if (c < cols) {
       const int64_t n = cols - c;
-      StorePartial(row + c, Mul(cap_v, Tanh(Mul(LoadPartial(row + c, n), inv_cap), slope_row != nullptr ? &s : nullptr)), n);
+      StorePartial(row + c, cap_lanes(LoadPartial(row + c, n), &s), n);
       if (slope_row != nullptr) StorePartial(slope_row + c, s, n);
     }
   }

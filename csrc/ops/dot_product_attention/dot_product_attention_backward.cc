@@ -25,6 +25,13 @@ struct Bf16BackwardOperands {
   Bf16MatrixCopy k_rows, k_t, v_rows;
 };
 
+// Row r's gradient of the bias over every key, in the dense fp32 [B or 1, N, T, S] buffer the
+// backward writes (one batch when the batches sum into one).
+float* DbiasRow(const DotProductAttentionGradParams& g, const Dims& d, const TaskRows& rows, int64_t r) {
+  const int64_t b = g.dbias_sum_batches ? 0 : rows.b;
+  return static_cast<float*>(g.dbias) + ((b * d.q_heads + rows.n(r)) * d.q_len + rows.t(r)) * d.kv_len;
+}
+
 // One chunk of query blocks of one (batch, kv head): dq of its rows is written directly, dk/dv
 // partial sums go to dk_acc/dv_acc ([S + 16 rows] x ld, this chunk's own).
 //
@@ -96,14 +103,11 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
     const int64_t ld_st = SetSpreadingLd(cols);
     const int64_t row_panels = CeilDiv(count, mr);
     ComputeRowMasks(p.masks, rows, d.kv_len, &s.row_masks);
-    // The block's rows of dbias start at 0 (the first batch's, when the batches sum into one):
-    // zeroed by the task that owns them, in parallel and just before its tiles add to them.
+    // The block's rows of dbias start at 0: zeroed by the task that owns them, in parallel and
+    // just before its tiles add to them. When the batches sum into one buffer, the first batch's
+    // tasks zero it: the pools run in batch order (DotProductAttentionBackward).
     if (g.dbias != nullptr && (!g.dbias_sum_batches || b == 0)) {
-      for (int64_t r = 0; r < count; ++r) {
-        float* row = static_cast<float*>(g.dbias) + ((rows.n(r) + (g.dbias_sum_batches ? 0 : b) * d.q_heads) * d.q_len +
-                                                     rows.t(r)) * d.kv_len;
-        std::fill(row, row + d.kv_len, 0.0f);
-      }
+      for (int64_t r = 0; r < count; ++r) std::fill_n(DbiasRow(g, d, rows, r), d.kv_len, 0.0f);
     }
     const int64_t dq_floats = bf16 ? d.head_dim * cols : row_panels * mr * ld_dq;
     std::fill(dq_acc, dq_acc + dq_floats, 0.0f);
@@ -177,16 +181,14 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
         }
         // dS = P ∘ (dP - delta), times the soft cap's derivative.
         k.softmax->softmax_grad_columns(st, dpt, keys, ld_st, cols, delta);
-        if (cap_slopes != nullptr) {
+        if (cap_slopes != nullptr) {  // the real rows: soft_cap writes no slope for padding columns
           for (int64_t j = 0; j < keys; ++j) {
-            for (int64_t r = 0; r < cols; ++r) dpt[j * ld_st + r] *= cap_slopes[j * ld_st + r];
+            for (int64_t r = 0; r < count; ++r) dpt[j * ld_st + r] *= cap_slopes[j * ld_st + r];
           }
         }
         if (g.dbias != nullptr) {
-          const int64_t dbias_b = g.dbias_sum_batches ? 0 : b;
           for (int64_t r = 0; r < count; ++r) {
-            float* dst = static_cast<float*>(g.dbias) +
-                         ((dbias_b * d.q_heads + rows.n(r)) * d.q_len + rows.t(r)) * d.kv_len + s0;
+            float* dst = DbiasRow(g, d, rows, r) + s0;
             for (int64_t j = 0; j < keys; ++j) dst[j] += dpt[j * ld_st + r];
           }
         }

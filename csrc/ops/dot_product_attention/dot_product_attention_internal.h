@@ -9,7 +9,7 @@
 // dot products on K and V rows in place. Logits are kept transposed, st[key][row]: the GEMM
 // st = K · (scale·Q)ᵀ takes K as its packed A operand (the natural layout of a [S, H] view) and
 // Q, packed once per task, as B; per-row softmax reductions then run down columns. Tiles that
-// every causal/window/length/segment mask hides are skipped before any compute.
+// every causal/window/length/segment mask, or the bool mask, hides are skipped before any compute.
 #pragma once
 
 #include <algorithm>
