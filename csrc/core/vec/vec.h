@@ -74,8 +74,8 @@ inline Vec Zero() { return Set1(0.0f); }
 // |x| = 0.5 on, with f = exp(-2|x|): tanh = (1 - f) / (1 + f) and 1 - tanh² = 4f / (1 + f)², both
 // free of cancellation (1 - tanh² taken from tanh loses all its digits as tanh saturates); f
 // flushes to 0 past |x| = 43.5 (Exp's cutoff), giving ±1 and a slope of 0 (exactly: below 4e-37),
-// ±inf included. Below 0.5 the odd
-// Taylor series to x^15 (the next term is 1e-8 of tanh there). NaN stays NaN.
+// ±inf included. Below 0.5 the odd Taylor series to x^15 (the next term is 1e-8 of tanh there).
+// NaN stays NaN.
 inline Vec Tanh(Vec x, Vec* slope) {
 #if defined(TOKAMAX_TIER_SCALAR)
   if (slope != nullptr) {

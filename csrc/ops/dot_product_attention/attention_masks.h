@@ -40,12 +40,15 @@ inline int32_t KeySegment(const AttentionMasks& m, int64_t b, int64_t s) {
   return m.kv_segment_ids[b * m.kv_segment_strides[0] + s * m.kv_segment_strides[1]];
 }
 
+// The bool mask's bytes for query t of head n, batch b: key s at MaskRow(...)[s * mask_strides[3]].
+inline const uint8_t* MaskRow(const AttentionMasks& m, int64_t b, int64_t n, int64_t t) {
+  const int64_t* st = m.mask_strides;
+  return m.mask + b * st[0] + n * st[1] + t * st[2];
+}
+
 inline bool ElementVisible(const AttentionMasks& m, int64_t b, int64_t n, int64_t t, int64_t s) {
   if (m.q_segment_ids != nullptr && QuerySegment(m, b, t) != KeySegment(m, b, s)) return false;
-  if (m.mask != nullptr) {
-    const int64_t* st = m.mask_strides;
-    return m.mask[b * st[0] + n * st[1] + t * st[2] + s * st[3]] != 0;
-  }
+  if (m.mask != nullptr) return MaskRow(m, b, n, t)[s * m.mask_strides[3]] != 0;
   return true;
 }
 

@@ -157,16 +157,15 @@ TileVisibility ClassifyTile(const AttentionMasks& m, const RowMasks& rm, const T
     // A tile the bool mask hides from every row is skipped like one outside the ranges (a
     // causal mask passed as a tensor: half the tiles); one it shows whole needs no mask.
     // Rows that differ only by head share a mask row when the mask is broadcast over heads.
-    const int64_t* st = m.mask_strides;
     // Whether it shows every key matters only where nothing else needs a mask: else the first
     // visible key ends the scan.
-    const int64_t step = st[1] == 0 ? rows.group : 1;
+    const int64_t step = m.mask_strides[1] == 0 ? rows.group : 1;
     const bool may_be_full = all && m.q_segment_ids == nullptr;
     bool mask_any = false, mask_all = true;
     for (int64_t r = 0; r < rows.count() && !(mask_any && (!mask_all || !may_be_full)); r += step) {
       const int64_t begin = std::max(rm.ranges[r].begin, s0), end = std::min(rm.ranges[r].end, s1);
       if (begin >= end) continue;
-      ScanMaskRun(m.mask + b * st[0] + rows.n(r) * st[1] + rows.t(r) * st[2], st[3], begin, end, &mask_any,
+      ScanMaskRun(attention::MaskRow(m, b, rows.n(r), rows.t(r)), m.mask_strides[3], begin, end, &mask_any,
                   &mask_all);
     }
     if (!mask_any) return TileVisibility::kNone;
