@@ -497,6 +497,162 @@ def test_bool_mask_per_head_and_batch_with_other_masks_and_bias(dtype):
     _assert_masked_call_matches_reference(qd, kd, vd, mask=decode_mask, configs=_TILES)
 
 
+def _outputs_and_grads(q, k, v, **kwargs):
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    out = dpa.kernel(*leaves, **kwargs)
+    return (out, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bool_mask_of_one_run_per_row_is_the_ranges_it_spells(dtype):
+    # A bool mask each row of which shows one run of keys (causal, window, padding: what
+    # transformers passes) is folded into per-row ranges (FoldMaskRuns): the same call as the
+    # flags that spell it, bit for bit, with the heuristic configs (a mask counts as block
+    # sparse) and explicit ones, forward and gradients, on the tile and the decode row paths.
+    b, t, n, kv = 2, 200, 4, 2
+    q, k, v = make_qkv(b, t, t, n, kv, 16, dtype=dtype)
+    i = torch.arange(t)
+    causal = i[None, :] <= i[:, None]
+    window = causal & (i[None, :] > i[:, None] - 30)
+    lengths = torch.tensor([130, 200])
+    padding = (i[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, S]
+    spelled = [({"mask": causal}, {"is_causal": True}),
+               ({"mask": window}, {"is_causal": True, "local_window_size": (29, 0)}),
+               ({"mask": padding}, {"key_value_seq_lengths": lengths}),
+               ({"mask": padding & causal}, {"key_value_seq_lengths": lengths, "is_causal": True})]
+    for configs in (None, _TILES):
+        for as_mask, as_flags in spelled:
+            got = _outputs_and_grads(q, k, v, configs=configs, **as_mask)
+            want = _outputs_and_grads(q, k, v, configs=configs, **as_flags)
+            assert all(torch.equal(x, y) for x, y in zip(got, want)), (sorted(as_flags), configs)
+    qd, kd, vd = make_qkv(b, 1, 300, n, kv, 16, dtype=dtype)
+    decode_lengths = torch.tensor([1, 257])
+    decode_padding = (torch.arange(300)[None, :] < decode_lengths[:, None])[:, None, None, :]
+    got = _outputs_and_grads(qd, kd, vd, mask=decode_padding)
+    want = _outputs_and_grads(qd, kd, vd, key_value_seq_lengths=decode_lengths)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bool_mask_runs_per_head_and_batch_and_one_row_that_is_not_a_run(dtype):
+    # Runs that differ per head of a GQA group and per batch, one row showing no key (zero output
+    # and gradients, no NaN) and one not starting at key 0: against the float64 reference. Then
+    # the same mask with one row of two runs, which the kernel cannot fold: the per-element path.
+    b, t, n, kv = 2, 200, 4, 2
+    q, k, v = make_qkv(b, t, t, n, kv, 16, dtype=dtype)
+    i = torch.arange(t)
+    mask = torch.zeros(b, n, t, t, dtype=torch.bool)
+    for batch in range(b):
+        for head in range(n):
+            width = 7 + 40 * head + 13 * batch
+            mask[batch, head] = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - width)
+    mask[1, 2, 50] = False               # a row that sees nothing
+    mask[0, 1, 120] = False
+    mask[0, 1, 120, 150:190] = True      # a run past the diagonal
+    out, _ = _assert_masked_call_matches_reference(q, k, v, mask=mask, configs=_TILES)
+    assert torch.equal(out[1, 50, 2], torch.zeros_like(out[1, 50, 2]))
+    two_runs = mask.clone()
+    two_runs[0, 3, 180, 5:9] = True
+    _assert_masked_call_matches_reference(q, k, v, mask=two_runs, configs=_TILES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [3, 200])  # the decode row path and the tile path
+def test_rows_masked_whole_by_a_huge_negative_bias_get_the_reference_gradients(dtype, t):
+    # An additive mask of finfo.min over a whole row (what a caller building transformers-style
+    # float masks passes for a padded query): every logit of the row is ~-3.4e38, where fp32 lse
+    # cannot hold log(S) beside the max, so P = exp(s - lse) would sum to S, not 1 (dq off by 2,
+    # found by an input audit). The backward renormalises such rows. The oracle is the reference
+    # in fp32: at these magnitudes fp32 logits themselves drop q·k (a float64 oracle keeps it
+    # at -1e9), and the kernel's logits are fp32 by contract.
+    q, k, v = make_qkv(2, t, 150, 4, 2, 16, dtype=dtype)
+    for fill in (torch.finfo(torch.float32).min, -1e9, -3e3):
+        bias = torch.zeros(2, 1, t, 150)
+        bias[0, :, 1] = fill                 # a whole row
+        bias[1, :, t - 1, :100] = fill        # a partial row: an ordinary mask
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        out = dpa.kernel(*leaves, bias.to(dtype), configs=_TILES)
+        cotangent = torch.randn_like(out)
+        grads = torch.autograd.grad(out, leaves, cotangent)
+        wide = [x.detach().float().requires_grad_(True) for x in (q, k, v)]
+        want = dpa.reference(*wide, bias.to(dtype).float())
+        want_grads = torch.autograd.grad(want, wide, cotangent.float())
+        assert rel_error(out, want) <= TOLERANCE[dtype], fill
+        for g, w in zip(grads, want_grads):
+            assert rel_error(g, w) <= GRAD_TOLERANCE[dtype], fill
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [2, 100])
+def test_rows_that_see_no_key_send_zero_gradients_even_from_nan_inputs(dtype, t):
+    # Padded query rows (past query_seq_lengths, or masked whole) may hold garbage, NaN
+    # included, in q and in the output's cotangent: their gradients to q, k, v and the bias are
+    # exactly zero and no NaN reaches the other rows' (dS = 0 there, their q and dO rows zeroed).
+    q, k, v = make_qkv(2, t, 70, 4, 2, 16, dtype=dtype)
+    q[:, t - 1] = math.nan
+    lengths = torch.tensor([t - 1, t - 1])
+    mask = torch.ones(2, 4, t, 70, dtype=torch.bool)
+    mask[:, :, t - 1] = False
+    bias = torch.randn(2, 4, t, 70).to(dtype)
+    for kwargs in ({"query_seq_lengths": lengths}, {"mask": mask}):
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v, bias)]
+        out = dpa.kernel(*leaves, configs=_TILES, **kwargs)
+        cotangent = torch.randn_like(out)
+        cotangent[:, t - 1] = math.nan
+        grads = torch.autograd.grad(out, leaves, cotangent)
+        assert torch.equal(out[:, t - 1], torch.zeros_like(out[:, t - 1]))
+        for grad in grads:
+            assert not grad.isnan().any()
+        assert torch.equal(grads[0][:, t - 1], torch.zeros_like(grads[0][:, t - 1]))
+        assert torch.equal(grads[3][:, :, t - 1], torch.zeros_like(grads[3][:, :, t - 1]))
+        clean = [x.detach().clone().requires_grad_(True) for x in (q, k, v, bias)]
+        with torch.no_grad():
+            clean[0][:, t - 1] = 0.0
+        want = torch.autograd.grad(dpa.kernel(*clean, configs=_TILES, **kwargs), clean,
+                                   torch.nan_to_num(cotangent, nan=0.0))
+        for grad, w in zip(grads[1:3], want[1:3]):  # dk, dv: as if the padded rows held zeros
+            torch.testing.assert_close(grad, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("t", [4, 200])  # 4 x 2 heads: the decode row path
+@pytest.mark.parametrize("splits", [1, 3])  # the kv sequence whole, or split and merged
+def test_nan_and_overflowed_logits_propagate_and_are_not_taken_for_masked_rows(t, splits):
+    # A NaN query, or logits past fp32's range, give NaN in that row's output and logsumexp, as
+    # the reference does; a row that sees no key still gives exactly 0 and -inf.
+    q, k, v = make_qkv(1, t, 200, 2, 1, 16)
+    q[0, 1, 0, 0] = math.nan
+    q[0, 2, 1] *= 1e20
+    k = k * 1e20
+    configs = (dpa.Config(block_q=32, block_kv=64, num_splits=splits),) * 2
+    out, lse = dpa.kernel(q, k, v, return_residuals=True, configs=configs, query_seq_lengths=torch.tensor([t - 1]))
+    assert out[0, 1, 0].isnan().all() and lse[0, 0, 1].isnan()
+    assert out[0, 2, 1].isnan().all() and lse[0, 1, 2].isnan()
+    assert torch.equal(out[0, t - 1], torch.zeros_like(out[0, t - 1])) and (lse[0, :, t - 1] == -math.inf).all()
+    assert not out[0, 0].isnan().any() and not lse[0, :, 0].isnan().any()
+
+
+def test_a_zero_width_value_still_gives_the_logsumexp_and_its_gradient():
+    # value_dim 0: no output, but lse is a real result (and differentiable), not -inf.
+    q, k, _ = make_qkv(1, 5, 7, 2, 1, 8, dtype=torch.float64)
+    v = torch.randn(1, 7, 1, 0, dtype=torch.float64)
+    for impl in (dpa.kernel, dpa.reference):
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        out, lse = impl(*leaves, return_residuals=True)
+        assert out.shape == (1, 5, 2, 0)
+        grads = torch.autograd.grad(lse.sum(), leaves[:2])
+        if impl is dpa.kernel:
+            got = (lse, *grads)
+        else:
+            want = (lse, *grads)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-9)
+    one = torch.randn(1, 7, 1, 1, dtype=torch.float64)  # lse does not depend on the values
+    assert torch.equal(dpa.kernel(q, k, one, return_residuals=True)[1], got[0])
+    q32, k32, v32 = (x.float() for x in (q, k, v))
+    _, lse32 = dpa.kernel(q32, k32, v32, return_residuals=True)
+    torch.testing.assert_close(lse32, want[0].float(), rtol=1e-6, atol=1e-6)
+
+
 def test_saturated_soft_cap_gradients_keep_their_relative_precision():
     # Every logit deep in the cap's saturation (|logit / cap| ~ 6.7, found by the property test):
     # the cap's slope 1 - tanh² is ~7e-6, and taken from a float tanh it cancels to 3e-3 relative

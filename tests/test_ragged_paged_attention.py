@@ -218,6 +218,23 @@ def test_padding_tokens_and_inactive_sequences_are_untouched():
     assert bits_equal(cache[pages], before[pages])
 
 
+@pytest.mark.parametrize("split_kv", [0, 32])  # the decode sequence whole, and split and merged
+def test_a_nan_query_gives_nan_not_a_masked_row(split_kv):
+    # A NaN logit makes that row NaN (output and lse), as in the reference; it must not pass for
+    # a row that sees no key (0 and -inf), and the other rows keep finite results.
+    args = list(problem(q_lens=(1, 4, 2), kv_lens=(90, 9, 6), pages_per_seq=6, page_size=16, padding=3))
+    args[0] = args[0].clone()
+    args[0][0, 1, 0] = math.nan  # the decode sequence, query head 1
+    args[0][3, 0, 0] = math.nan  # a prefill token, query head 0
+    configs = with_fields(args, split_kv=split_kv) if split_kv else None
+    out, _, lse = rpa.kernel(*args, return_lse=True, configs=configs)
+    assert out[0, 1].isnan().all() and lse[0, 1].isnan() and out[3, 0].isnan().all() and lse[3, 0].isnan()
+    finite = torch.ones(out.shape[:2], dtype=torch.bool)
+    finite[0, 1] = finite[3, 0] = False
+    finite[7:] = False  # padding tokens
+    assert out[finite].isfinite().all() and lse[finite].isfinite().all()
+
+
 def test_empty_batch():
     args = problem(q_lens=(0,), kv_lens=(0,), distribution=(0, 0, 0), padding=0)
     out, cache = rpa.kernel(*args)
@@ -296,7 +313,19 @@ def _bad_inputs():
                  (q, k, v, torch.randn(*cache.shape[:3], 32)[..., ::2], kv_lens, pages, cu, dist)),
         BadInput("sliding_window must be at least 1, got 0", (q, k, v, cache, kv_lens, pages, cu, dist),
                  {"sliding_window": 0}),
-        BadInput("soft_cap must be positive", (q, k, v, cache, kv_lens, pages, cu, dist), {"soft_cap": -1.0}),
+        BadInput("soft_cap must be a positive finite number", (q, k, v, cache, kv_lens, pages, cu, dist),
+                 {"soft_cap": -1.0}),
+        BadInput("soft_cap must be a positive finite number, got inf", (q, k, v, cache, kv_lens, pages, cu, dist),
+                 {"soft_cap": math.inf}),
+        BadInput("sm_scale must be finite, got nan", (q, k, v, cache, kv_lens, pages, cu, dist), {"sm_scale": math.nan}),
+        BadInput("sm_scale must be finite, got inf", (q, k, v, cache, kv_lens, pages, cu, dist), {"sm_scale": math.inf}),
+        BadInput("mask_value must be finite or -inf, got inf", (q, k, v, cache, kv_lens, pages, cu, dist),
+                 {"mask_value": math.inf}),
+        BadInput("mask_value must be finite or -inf, got nan", (q, k, v, cache, kv_lens, pages, cu, dist),
+                 {"mask_value": math.nan}),
+        # Pages of no token: the sequences must have none either (an all-zero kv_lens).
+        BadInput(r"kv_cache.shape\[1\] \(page_size\) must be at least 1, got kv_cache shape \[27, 0, 4, 16\]",
+                 (q, k, v, cache[:, :0], kv_lens * 0, pages, cu, dist)),
         BadInput(r"page_indices\[7\] \(page 1 of sequence 1\) must be in \[0, total_pages = 27\), got 27",
                  (q, k, v, cache, kv_lens, pages.index_put((torch.tensor(7),), torch.tensor(27, dtype=i32)), cu,
                   dist)),

@@ -224,8 +224,10 @@ AttentionSignature CheckAttentionArgs(const AttentionArgs& a) {
     CheckSegmentIds(*a.q_segment_ids, "q_segment_ids", sig.batch, sig.q_len, "T", device);
     CheckSegmentIds(*a.kv_segment_ids, "kv_segment_ids", sig.batch, sig.kv_len, "S", device);
   }
+  // A bool mask is counted too: passed as a tensor, a causal, window or padding mask skips tiles
+  // as the same mask given by its arguments does (FoldMaskRuns), and gets the same config.
   sig.block_sparse = a.is_causal || a.local_window_size.has_value() || a.query_seq_lengths.has_value() ||
-                     a.key_value_seq_lengths.has_value() || a.q_segment_ids.has_value();
+                     a.key_value_seq_lengths.has_value() || a.q_segment_ids.has_value() || a.mask.has_value();
   sig.lse_dtype = query.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   return sig;
 }

@@ -35,7 +35,8 @@ std::optional<RaggedPagedAttentionConfig> CheckRaggedPagedAttentionArgs(
     const Tensor& queries, const Tensor& keys, const Tensor& values, const Tensor& kv_cache, const Tensor& kv_lens,
     const Tensor& page_indices, const Tensor& cu_q_lens, const Tensor& distribution,
     std::optional<int64_t> sliding_window = std::nullopt, std::optional<double> soft_cap = std::nullopt,
-    std::optional<at::ScalarType> out_dtype = std::nullopt, at::OptionalIntArrayRef config = std::nullopt) {
+    std::optional<at::ScalarType> out_dtype = std::nullopt, at::OptionalIntArrayRef config = std::nullopt,
+    std::optional<double> sm_scale = std::nullopt, std::optional<double> mask_value = std::nullopt) {
   const auto parsed = ParseOptionalConfig<RaggedPagedAttentionConfig>(config, "config");
   TORCH_CHECK(queries.dim() == 3, kOp, ": queries must be 3-D [T, Hq, D], got shape ", ShapeString(queries));
   TORCH_CHECK(keys.dim() == 3, kOp, ": keys must be 3-D [T, Hkv, D], got shape ", ShapeString(keys));
@@ -76,6 +77,8 @@ std::optional<RaggedPagedAttentionConfig> CheckRaggedPagedAttentionArgs(
                   " (K and V of each kv head), got kv_cache shape ", ShapeString(kv_cache));
   TORCH_SYM_CHECK(kv_cache.sym_size(3).sym_eq(queries.sym_size(2)), kOp, ": kv_cache.shape[3] must be D = ",
                   queries.sym_size(2), " (no padding of D), got kv_cache shape ", ShapeString(kv_cache));
+  TORCH_SYM_CHECK(kv_cache.sym_size(1).sym_ge(1), kOp, ": kv_cache.shape[1] (page_size) must be at least 1, got kv_cache shape ",
+                  ShapeString(kv_cache));
   TORCH_SYM_CHECK(kv_cache.sym_stride(3).sym_eq(1).sym_or(kv_cache.sym_size(3).sym_le(1)), kOp,
                   ": kv_cache must have a contiguous last dimension (stride 1), got strides ", kv_cache.sym_strides());
   const c10::SymInt& seqs = kv_lens.sym_size(0);
@@ -89,7 +92,12 @@ std::optional<RaggedPagedAttentionConfig> CheckRaggedPagedAttentionArgs(
                   ShapeString(page_indices));
   TORCH_CHECK(!sliding_window || *sliding_window >= 1, kOp, ": sliding_window must be at least 1, got ",
               sliding_window.value_or(0));
-  TORCH_CHECK(!soft_cap || *soft_cap > 0, kOp, ": soft_cap must be positive, got ", soft_cap.value_or(0));
+  TORCH_CHECK(!soft_cap || (*soft_cap > 0 && std::isfinite(*soft_cap)), kOp,
+              ": soft_cap must be a positive finite number, got ", soft_cap.value_or(0));
+  TORCH_CHECK(!sm_scale || std::isfinite(*sm_scale), kOp, ": sm_scale must be finite, got ", sm_scale.value_or(0));
+  // A masked logit must stay below every real one's reach: -inf (the default) or a finite value.
+  TORCH_CHECK(!mask_value || !(std::isnan(*mask_value) || *mask_value == std::numeric_limits<double>::infinity()), kOp,
+              ": mask_value must be finite or -inf, got ", mask_value.value_or(0));
   return parsed;
 }
 
@@ -152,7 +160,8 @@ std::tuple<Tensor, Tensor> RaggedPagedAttentionCpu(
     std::optional<double> mask_value, std::optional<at::ScalarType> out_dtype, bool skip_kv_update,
     at::OptionalIntArrayRef config) {
   const auto parsed = CheckRaggedPagedAttentionArgs(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens,
-                                                    distribution, sliding_window, soft_cap, out_dtype, config);
+                                                    distribution, sliding_window, soft_cap, out_dtype, config, sm_scale,
+                                                    mask_value);
   CheckBeforeWrite(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution);
   Tensor out = NewOutput(queries.sizes(), queries.options().dtype(out_dtype.value_or(queries.scalar_type())));
   Tensor lse = NewOutput({queries.size(0), queries.size(1)}, queries.options().dtype(at::kFloat));
@@ -178,10 +187,10 @@ std::tuple<Tensor, Tensor> RaggedPagedAttentionCpu(
 std::tuple<Tensor, Tensor> RaggedPagedAttentionMeta(
     const Tensor& queries, const Tensor& keys, const Tensor& values, const Tensor& kv_cache, const Tensor& kv_lens,
     const Tensor& page_indices, const Tensor& cu_q_lens, const Tensor& distribution, bool,
-    std::optional<double>, std::optional<int64_t> sliding_window, std::optional<double> soft_cap,
-    std::optional<double>, std::optional<at::ScalarType> out_dtype, bool, at::OptionalIntArrayRef config) {
+    std::optional<double> sm_scale, std::optional<int64_t> sliding_window, std::optional<double> soft_cap,
+    std::optional<double> mask_value, std::optional<at::ScalarType> out_dtype, bool, at::OptionalIntArrayRef config) {
   CheckRaggedPagedAttentionArgs(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
-                                sliding_window, soft_cap, out_dtype, config);
+                                sliding_window, soft_cap, out_dtype, config, sm_scale, mask_value);
   CheckDonatedBuffer(kOp, "kv_cache", kv_cache, {});
   return {at::empty_symint(queries.sym_sizes(), queries.options().dtype(out_dtype.value_or(queries.scalar_type()))),
           at::empty_symint({queries.sym_size(0), queries.sym_size(1)}, queries.options().dtype(at::kFloat))};
@@ -196,7 +205,8 @@ std::tuple<Tensor, Tensor> RaggedPagedAttentionReference(
     std::optional<double> mask_value, std::optional<at::ScalarType> out_dtype, bool skip_kv_update,
     at::OptionalIntArrayRef config) {
   CheckRaggedPagedAttentionArgs(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
-                                sliding_window, soft_cap, out_dtype, config);  // config validated, not used
+                                sliding_window, soft_cap, out_dtype, config, sm_scale,
+                                mask_value);  // config validated, not used
   CheckBeforeWrite(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution);
   const RaggedPagedAttentionParams p =
       ParamsOf(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution);

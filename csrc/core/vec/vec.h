@@ -9,7 +9,8 @@
 //   Load/Store(p), LoadPartial/StorePartial(p, n) (the first n < kLanes lanes; loads zero the
 //     rest, stores leave memory past n untouched), Set1, Zero
 //   Add, Sub, Mul, Div, Min, Max, Fma(a, b, c) = a·b + c, FmaBroadcast(const float* a, b, c) = *a·b + c
-//   Exp (flushes below kExpFlushBelow to exactly 0; the same polynomial on every SIMD tier)
+//   Exp (flushes below kExpFlushBelow to exactly 0, NaN stays NaN; the same polynomial on every
+//     SIMD tier)
 //   InRange(x, r, lo, hi): x where lo <= r < hi lane by lane, -inf elsewhere
 //   GreaterMask(a, b): bit l set where a[l] > b[l] (ordered: never for a NaN lane)
 //   Abs(v), CopySign(magnitude, sign), IfAtLeast(a, b, then, otherwise): `then` where a >= b

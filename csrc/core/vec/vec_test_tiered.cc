@@ -163,13 +163,18 @@ TEST(TOKAMAX_VEC_SUITE, ExpIsAccurateAndFlushesBelowTheCutoff) {
   std::vector<float> x;
   for (int i = 0; i < 16 * 40; ++i) x.push_back(-90.0f + 0.28f * i);  // -90 .. 89
   x.push_back(-kInf);
+  // NaN stays NaN: a NaN logit must not pass for a masked one (attention's output and lse).
+  x.push_back(std::numeric_limits<float>::quiet_NaN());
+  x.push_back(-std::numeric_limits<float>::quiet_NaN());
   while (x.size() % 16 != 0) x.push_back(0.0f);
   for (size_t i = 0; i < x.size(); i += kLanes) {
     float got[kLanes];
     Store(got, Exp(Load(x.data() + i)));
     for (int64_t l = 0; l < kLanes; ++l) {
       const float xi = x[i + l];
-      if (xi < kExpFlushBelow) {
+      if (std::isnan(xi)) {
+        EXPECT_TRUE(std::isnan(got[l])) << "exp(NaN) gave " << got[l];
+      } else if (xi < kExpFlushBelow) {
         EXPECT_EQ(got[l], 0.0f) << "x " << xi;
       } else if (xi <= 88.0f) {
         const double want = std::exp(static_cast<double>(xi));

@@ -10,20 +10,27 @@
 namespace tokamax {
 namespace attention {
 
-// Keys [begin, end) allowed by the causal, window and length masks for query t of batch b;
-// empty (begin >= end) when the query itself is past its sequence length.
+// Keys [begin, end) allowed by the causal, window and length masks (and a bool mask folded into
+// runs) for query t of head n, batch b; empty (begin >= end) when the query itself is past its
+// sequence length.
 struct KeyRange {
   int64_t begin;
   int64_t end;
 };
 
-inline KeyRange VisibleKeys(const AttentionMasks& m, int64_t b, int64_t t, int64_t kv_len) {
+inline KeyRange VisibleKeys(const AttentionMasks& m, int64_t b, int64_t n, int64_t t, int64_t kv_len) {
   if (m.q_lengths != nullptr && t >= m.q_lengths[b]) return {0, 0};
   int64_t end = m.kv_lengths != nullptr ? std::min(kv_len, m.kv_lengths[b]) : kv_len;
   if (m.is_causal) end = std::min(end, t + 1);
   if (m.window_right < AttentionMasks::kUnbounded) end = std::min(end, t + m.window_right + 1);
   int64_t begin = 0;
   if (m.window_left < AttentionMasks::kUnbounded) begin = std::max<int64_t>(0, t - m.window_left);
+  if (m.mask_runs != nullptr) {
+    const int64_t* run = m.mask_runs + 2 * (b * m.mask_run_strides[0] + n * m.mask_run_strides[1] +
+                                            t * m.mask_run_strides[2]);
+    begin = std::max(begin, run[0]);
+    end = std::min(end, run[1]);
+  }
   return {begin, std::max(begin, end)};
 }
 
@@ -53,7 +60,7 @@ inline bool ElementVisible(const AttentionMasks& m, int64_t b, int64_t n, int64_
 }
 
 inline bool Visible(const AttentionMasks& m, int64_t b, int64_t n, int64_t t, int64_t s, int64_t kv_len) {
-  const KeyRange range = VisibleKeys(m, b, t, kv_len);
+  const KeyRange range = VisibleKeys(m, b, n, t, kv_len);
   return s >= range.begin && s < range.end && ElementVisible(m, b, n, t, s);
 }
 

@@ -37,6 +37,11 @@ struct AttentionMasks {
   int64_t kv_segment_strides[2] = {0, 0};
   const uint8_t* mask = nullptr;          // bool [B,N,T,S] (broadcast strides), nonzero = visible
   int64_t mask_strides[4] = {0, 0, 0, 0};
+  // The kernels' own: a bool mask every row of which shows one run of keys, held as those runs
+  // instead (FoldMaskRuns): row (b, n, t) sees keys [runs[i], runs[i + 1]) at
+  // i = 2 * (b * mask_run_strides[0] + n * mask_run_strides[1] + t * mask_run_strides[2]).
+  const int64_t* mask_runs = nullptr;
+  int64_t mask_run_strides[3] = {0, 0, 0};
 };
 
 struct DotProductAttentionParams {

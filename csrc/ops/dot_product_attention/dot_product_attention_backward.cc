@@ -2,6 +2,7 @@
 // logsumexp), one task per chunk of query blocks of one (batch, kv head), dk and dv summed over
 // the chunks in a fixed order.
 #include <atomic>
+#include <cmath>
 #include <memory>
 #include <vector>
 
@@ -31,6 +32,10 @@ float* DbiasRow(const DotProductAttentionGradParams& g, const Dims& d, const Tas
   const int64_t b = g.dbias_sum_batches ? 0 : rows.b;
   return static_cast<float*>(g.dbias) + ((b * d.q_heads + rows.n(r)) * d.q_len + rows.t(r)) * d.kv_len;
 }
+
+// |lse| from which fp32 holds a row's log-sum too coarsely beside its max (ulp 1.2e-4 at 1024):
+// such rows get P renormalised in the backward.
+constexpr float kCoarseLse = 1024.0f;
 
 // One chunk of query blocks of one (batch, kv head): dq of its rows is written directly, dk/dv
 // partial sums go to dk_acc/dv_acc ([S + 16 rows] x ld, this chunk's own).
@@ -113,10 +118,27 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
     std::fill(dq_acc, dq_acc + dq_floats, 0.0f);
     // A block no row of which sees a key (past its length) has dq = 0 and needs no operands.
     const bool any_visible = s.row_masks.max_end > 0;
+    bool coarse = false;
     if (any_visible) {
-      // The block's operands: Q (scaled, or for bf16 exact) and dO as rows, and transposed.
+      // Per row: lse (0 for rows that see nothing: their logits are all -inf, so P = 0).
+      std::fill(lse_sub, lse_sub + cols, 0.0f);
+      s.dead_rows.clear();
+      for (int64_t r = 0; r < count; ++r) {
+        const int64_t t = rows.t(r), n = rows.n(r);
+        const float lse = static_cast<const float*>(p.lse)[b * p.lse_strides[0] + n * p.lse_strides[1] + t * p.lse_strides[2]];
+        lse_sub[r] = lse == kNegInf ? 0.0f : lse;
+        if (lse == kNegInf) s.dead_rows.push_back(r);
+        coarse = coarse || std::fabs(lse) >= kCoarseLse;
+      }
+      // The block's operands: Q (scaled, or for bf16 exact) and dO as rows, and transposed. A row
+      // that sees no key sends exactly zero gradients whatever its q and dO hold (NaN in a padded
+      // row included): its rows are zeroed here, its dS below.
       GatherRows(*k.softmax, p.q, rows, d.head_dim, bf16 ? 1.0f : p.scale, q_rows, ld_dq);
       GatherRows(*k.softmax, g.dout, rows, d.value_dim, 1.0f, do_rows, ld_dv);
+      for (const int64_t r : s.dead_rows) {
+        std::fill_n(q_rows + r * ld_dq, d.head_dim, 0.0f);
+        std::fill_n(do_rows + r * ld_dv, d.value_dim, 0.0f);
+      }
       if (bf16) {
         PackRowsVnni(p.q, rows, cols, q_vnni, s);
         PackRowsVnni(g.dout, rows, cols, do_vnni, s);
@@ -131,16 +153,12 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
         gemm.pack_b({q_rows, DType::kFloat32, count, d.head_dim, ld_dq, 1}, 0, count, 0, d.head_dim, q_bpanels);
         gemm.pack_b({do_rows, DType::kFloat32, count, d.value_dim, ld_dv, 1}, 0, count, 0, d.value_dim, do_bpanels);
       }
-      // Per row: lse (0 for rows that see nothing: their logits are all -inf, so P = 0) and
-      // delta = rowsum(dO ∘ O) - dlse.
-      std::fill(lse_sub, lse_sub + cols, 0.0f);
+      // Per row: delta = rowsum(dO ∘ O) - dlse.
       std::fill(delta, delta + cols, 0.0f);
       float* out_rows = a_panels;  // free until the first tile
       GatherRows(*k.softmax, out, rows, d.value_dim, 1.0f, out_rows, ld_dv);
       for (int64_t r = 0; r < count; ++r) {
         const int64_t t = rows.t(r), n = rows.n(r);
-        const float lse = static_cast<const float*>(p.lse)[b * p.lse_strides[0] + n * p.lse_strides[1] + t * p.lse_strides[2]];
-        lse_sub[r] = lse == kNegInf ? 0.0f : lse;
         float dot = 0.0f;
         for (int64_t e = 0; e < d.value_dim; ++e) dot += do_rows[r * ld_dv + e] * out_rows[r * ld_dv + e];
         if (g.dlse != nullptr) {
@@ -149,21 +167,41 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
         delta[r] = dot;
       }
     }
+    // P = exp(logits - lse) of tile [s0, s0 + keys), recomputed; `sums` (when set) adds up its
+    // columns.
+    auto probabilities = [&](int64_t s0, TileVisibility visibility, int64_t keys, float* slopes, float* sums) {
+      if (bf16) {
+        k.bf16.gemm(RoundUp(keys, kBf16TileRows), cols, d.head_dim, bf16_ops->k_rows.At(b, kv_head, s0),
+                    bf16_ops->k_rows.ld(), q_vnni, st, ld_st, false, p.scale);
+      } else {
+        TileGemm(gemm, d.head_dim, k_tiles.Tile(b, kv_head, s0, keys, k_panels), CeilDiv(keys, mr),
+                 PackedB(q_panels, d.head_dim, nr), cols / nr, st, ld_st, false);
+      }
+      FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, ld_st, slopes);
+      k.softmax->exp_columns(st, keys, ld_st, cols, lse_sub, sums);
+    };
+    if (any_visible && coarse) {
+      // A row whose |lse| is so large that fp32 cannot hold its log-sum apart from its max (all
+      // its logits near -3.4e38, as an additive mask of finfo.min over a whole row, or past
+      // ~1e3 in magnitude) gets P's row sum far from 1: a first pass over the tiles adds it up,
+      // and P is divided by it (exactly 1 for the other rows, whose bits do not change).
+      s.renorm.assign(static_cast<size_t>(cols), 0.0f);
+      ForEachVisibleTile(p.masks, s.row_masks, rows, 0, d.kv_len, block,
+                         [&](int64_t s0, TileVisibility visibility, int64_t keys) {
+        probabilities(s0, visibility, keys, nullptr, s.renorm.data());
+      });
+      for (int64_t c = 0; c < cols; ++c) {
+        const bool coarse_row = c < count && std::fabs(lse_sub[c]) >= kCoarseLse && s.renorm[c] > 0.0f;
+        s.renorm[c] = coarse_row ? 1.0f / s.renorm[c] : 1.0f;
+      }
+    }
     if (any_visible) {
       ForEachVisibleTile(p.masks, s.row_masks, rows, 0, d.kv_len, block,
                          [&](int64_t s0, TileVisibility visibility, int64_t keys) {
         const int64_t key_panels = CeilDiv(keys, mr);
         const int64_t key_tiles = RoundUp(keys, kBf16TileRows);  // bf16: rows of the key-major products
-        // P = exp(logits - lse), recomputed.
-        if (bf16) {
-          k.bf16.gemm(key_tiles, cols, d.head_dim, bf16_ops->k_rows.At(b, kv_head, s0), bf16_ops->k_rows.ld(), q_vnni,
-                      st, ld_st, false, p.scale);
-        } else {
-          TileGemm(gemm, d.head_dim, k_tiles.Tile(b, kv_head, s0, keys, k_panels), key_panels,
-                   PackedB(q_panels, d.head_dim, nr), cols / nr, st, ld_st, false);
-        }
-        FinishLogits(p, k, rows, s.row_masks, s0, keys, visibility, st, ld_st, cap_slopes);
-        k.softmax->exp_columns(st, keys, ld_st, cols, lse_sub, nullptr);
+        probabilities(s0, visibility, keys, cap_slopes, nullptr);
+        if (coarse) k.softmax->scale_columns(st, ld_st, keys, cols, s.renorm.data());
         // dV_tile += P · dO; dPᵀ = V_tile · dOᵀ.
         if (bf16) {
           // P's rows past `keys` are zero: they must add nothing to the next tile's dV rows.
@@ -181,6 +219,9 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
         }
         // dS = P ∘ (dP - delta), times the soft cap's derivative.
         k.softmax->softmax_grad_columns(st, dpt, keys, ld_st, cols, delta);
+        for (const int64_t r : s.dead_rows) {
+          for (int64_t j = 0; j < keys; ++j) dpt[j * ld_st + r] = 0.0f;
+        }
         if (cap_slopes != nullptr) {  // the real rows: soft_cap writes no slope for padding columns
           for (int64_t j = 0; j < keys; ++j) {
             for (int64_t r = 0; r < count; ++r) dpt[j * ld_st + r] *= cap_slopes[j * ld_st + r];
@@ -236,18 +277,24 @@ int64_t DotProductAttentionBackwardTasksPerBatch(int64_t q_len, int64_t kv_heads
   return kv_heads * BackwardSplits(q_len, config);
 }
 
-Status DotProductAttentionBackward(const DotProductAttentionGradParams& g, const DotProductAttentionConfig& config) {
+Status DotProductAttentionBackward(const DotProductAttentionGradParams& params,
+                                   const DotProductAttentionConfig& config) {
   using namespace attention;
-  const DotProductAttentionParams& p = g.forward;
   Kernels k;
-  Status status = BeginCall(p, config, &k);
+  Status status = BeginCall(params.forward, config, &k);
   if (!status.ok()) return status;
-  const Dims d = DimsOf(p);
-  if (p.lse == nullptr && d.batch * d.q_heads * d.q_len > 0) return Status::Error("dot_product_attention backward: the forward's logsumexp is required");
-  if (p.q.dtype == DType::kFloat64) {
-    DotProductAttentionBackwardReference(g);
+  const Dims d = DimsOf(params.forward);
+  if (params.forward.lse == nullptr && d.batch * d.q_heads * d.q_len > 0) {
+    return Status::Error("dot_product_attention backward: the forward's logsumexp is required");
+  }
+  if (params.forward.q.dtype == DType::kFloat64) {
+    DotProductAttentionBackwardReference(params);
     return Status::Ok();
   }
+  std::vector<int64_t> mask_runs;
+  DotProductAttentionGradParams g = params;
+  g.forward.masks = FoldMaskRuns(params.forward.masks, d, &mask_runs);
+  const DotProductAttentionParams& p = g.forward;
   const int64_t mr = k.gemm->mr, nr = k.gemm->nr;
   const int64_t q_blocks = d.q_len > 0 ? CeilDiv(d.q_len, config.block_q) : 0;
   const int64_t splits = BackwardSplits(d.q_len, config);

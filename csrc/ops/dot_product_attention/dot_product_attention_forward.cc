@@ -3,6 +3,7 @@
 // the kv sequence optionally split across tasks and merged after.
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -22,9 +23,11 @@ bool UseRowDots(const DotProductAttentionParams& p, int64_t q_blocks, int64_t ro
   return q_blocks == 1 && rows <= kMaxRowDotRows && p.k.strides[3] == 1 && p.v.strides[3] == 1;
 }
 
+// A row that saw no key has sum 0 (out 0, lse -inf); any other sum is at least 1, or NaN when a
+// logit was NaN or overflowed (propagated, as the reference does: not mistaken for a masked row).
 void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, int64_t n, const float* acc, float sum,
                     float max) {
-  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  const float inv = sum != 0.0f ? 1.0f / sum : 0.0f;
   DispatchDType(p.out.dtype, [&](auto tag) {
     using T = decltype(tag);
     T* dst = static_cast<T*>(p.out.data) + b * p.out.strides[0] + t * p.out.strides[1] + n * p.out.strides[2];
@@ -33,7 +36,7 @@ void StoreOutputRow(const DotProductAttentionParams& p, int64_t b, int64_t t, in
   });
   if (p.lse != nullptr) {
     static_cast<float*>(p.lse)[b * p.lse_strides[0] + n * p.lse_strides[1] + t * p.lse_strides[2]] =
-        sum > 0.0f ? max + std::log(sum) : kNegInf;
+        sum != 0.0f ? max + std::log(sum) : kNegInf;
   }
 }
 
@@ -147,6 +150,10 @@ void MergeSplits(const DotProductAttentionParams& p, const Dims& d, const SplitP
       for (int64_t e = 0; e < d.value_dim; ++e) merged[e] += weight * o[e];
     }
   }
+  // A split that met a NaN logit holds a NaN sum whatever its max: the row is NaN.
+  for (int64_t c = 0; c < splits; ++c) {
+    if (std::isnan(partials.sum[partials.Row(d, c, b, n, t)])) sum = std::numeric_limits<float>::quiet_NaN();
+  }
   StoreOutputRow(p, b, t, n, merged.data(), sum, max);
 }
 
@@ -178,21 +185,28 @@ void FinishRow(const DotProductAttentionParams& p, const Dims& d, int64_t b, int
 
 }  // namespace attention
 
-Status DotProductAttention(const DotProductAttentionParams& p, const DotProductAttentionConfig& config) {
+Status DotProductAttention(const DotProductAttentionParams& params, const DotProductAttentionConfig& config) {
   using namespace attention;
   Kernels k;
-  Status status = BeginCall(p, config, &k);
+  Status status = BeginCall(params, config, &k);
   if (!status.ok()) return status;
-  const Dims d = DimsOf(p);
+  const Dims d = DimsOf(params);
   if (d.batch == 0 || d.q_len == 0 || d.q_heads == 0) return Status::Ok();
-  if (p.q.dtype == DType::kFloat64) {
-    DotProductAttentionReference(p);
+  if (params.q.dtype == DType::kFloat64) {
+    DotProductAttentionReference(params);
     return Status::Ok();
   }
-  if (d.kv_len == 0 || d.value_dim == 0) {
-    ZeroOutputs(p, d);
+  if (d.kv_len == 0) {
+    ZeroOutputs(params, d);
     return Status::Ok();
   }
+  if (d.value_dim == 0) {  // no output, but a logsumexp: the exact loops, cheaper than any tiling
+    DotProductAttentionReference(params);
+    return Status::Ok();
+  }
+  std::vector<int64_t> mask_runs;
+  DotProductAttentionParams p = params;
+  p.masks = FoldMaskRuns(params.masks, d, &mask_runs);
   const int64_t q_blocks = CeilDiv(d.q_len, config.block_q);
   const int64_t kv_blocks = CeilDiv(d.kv_len, config.block_kv);
   const int64_t splits = std::min(config.num_splits, kv_blocks);

@@ -117,6 +117,8 @@ static_assert(kNumTaskScratchSlots <= ScratchLease::kSlots, "one lease's slots")
 struct TaskScratch {
   ScratchLease lease;
   RowMasks row_masks;
+  std::vector<int64_t> dead_rows;  // backward: the block's rows that see no key
+  std::vector<float> renorm;       // backward: per column, 1 / P's row sum where lse is coarse, else 1
 };
 
 template <typename T>
@@ -130,6 +132,13 @@ T* Scratch(TaskScratch& s, TaskScratchSlot slot, int64_t count) {
 float* InPlaceTileScratch(TaskScratch& s, TaskScratchSlot slot, int64_t rows, int64_t ld);
 
 void ComputeRowMasks(const AttentionMasks& m, const TaskRows& rows, int64_t kv_len, RowMasks* out);
+
+// A bool mask every row of which shows one run of keys (a causal, sliding-window or padding mask
+// passed as a tensor) as those runs, held in `runs`: the kernels then treat it like is_causal's
+// ranges (hidden tiles skipped, diagonal tiles clipped, the mask applied across rows, no byte
+// read per logit). The same visible keys, so the same results. `m` itself when some row is not
+// one run, or there is no mask.
+AttentionMasks FoldMaskRuns(const AttentionMasks& m, const Dims& d, std::vector<int64_t>* runs);
 
 // The keys of tile [s0, s0 + keys) that some row can see end by max_end: the rest is left out
 // of the products (causal diagonal tiles shrink to the block's last position).

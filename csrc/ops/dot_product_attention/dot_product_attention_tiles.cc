@@ -2,11 +2,13 @@
 // operands, its masks (which tiles it sees, which keys of a partial tile), the logits' epilogue
 // (bias, soft cap, masks).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <string>
 
 #include "csrc/core/runtime/isa.h"
+#include "csrc/core/runtime/parallel.h"
 #include "csrc/ops/dot_product_attention/dot_product_attention_internal.h"
 
 namespace tokamax {
@@ -84,7 +86,7 @@ void ComputeRowMasks(const AttentionMasks& m, const TaskRows& rows, int64_t kv_l
   out->ranges.resize(rows.count());
   out->max_end = 0;
   for (int64_t r = 0; r < rows.count(); ++r) {
-    const attention::KeyRange range = attention::VisibleKeys(m, rows.b, rows.t(r), kv_len);
+    const attention::KeyRange range = attention::VisibleKeys(m, rows.b, rows.n(r), rows.t(r), kv_len);
     out->ranges[r] = range;
     if (range.begin < range.end) out->max_end = std::max(out->max_end, range.end);
   }
@@ -132,7 +134,64 @@ void ScanMaskRun(const uint8_t* row, int64_t stride, int64_t begin, int64_t end,
   }
 }
 
+// The one run of visible keys [*begin, *end) of a mask row of `keys` bytes `stride` apart ({0, 0}
+// when it shows none); false when its visible keys are not one run. Words of 8 bytes where the
+// keys are contiguous.
+bool MaskRowRun(const uint8_t* row, int64_t stride, int64_t keys, int64_t* begin, int64_t* end) {
+  constexpr uint64_t kLows = 0x0101010101010101ull, kHighs = 0x8080808080808080ull;
+  const bool words = stride == 1;
+  auto word_at = [row](int64_t s) {
+    uint64_t word;
+    std::memcpy(&word, row + s, sizeof(word));
+    return word;
+  };
+  auto has_zero_byte = [](uint64_t word) { return ((word - kLows) & ~word & kHighs) != 0; };
+  int64_t s = 0;
+  while (words && s + 8 <= keys && word_at(s) == 0) s += 8;
+  while (s < keys && row[s * stride] == 0) ++s;
+  if (s == keys) {
+    *begin = *end = 0;
+    return true;
+  }
+  *begin = s;
+  while (words && s + 8 <= keys && !has_zero_byte(word_at(s))) s += 8;
+  while (s < keys && row[s * stride] != 0) ++s;
+  *end = s;
+  while (words && s + 8 <= keys && word_at(s) == 0) s += 8;
+  while (s < keys && row[s * stride] == 0) ++s;
+  return s == keys;
+}
+
 }  // namespace
+
+AttentionMasks FoldMaskRuns(const AttentionMasks& m, const Dims& d, std::vector<int64_t>* runs) {
+  if (m.mask == nullptr || m.mask_runs != nullptr) return m;
+  const int64_t* st = m.mask_strides;
+  // One run per distinct mask row: a dim the mask is broadcast over (stride 0) counts once.
+  const int64_t batches = st[0] != 0 ? d.batch : 1, heads = st[1] != 0 ? d.q_heads : 1;
+  const int64_t positions = st[2] != 0 ? d.q_len : 1, rows = batches * heads * positions;
+  if (rows == 0 || d.kv_len == 0) return m;
+  runs->resize(static_cast<size_t>(2 * rows));
+  int64_t* out = runs->data();
+  std::atomic<bool> runs_only{true};
+  ParallelFor(0, rows, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end && runs_only.load(std::memory_order_relaxed); ++i) {
+      const int64_t t = i % positions, n = i / positions % heads, b = i / positions / heads;
+      if (!MaskRowRun(m.mask + b * st[0] + n * st[1] + t * st[2], st[3], d.kv_len, out + 2 * i, out + 2 * i + 1)) {
+        runs_only.store(false, std::memory_order_relaxed);
+      }
+    }
+  });
+  if (!runs_only.load()) return m;
+  AttentionMasks folded = m;
+  folded.mask = nullptr;
+  for (int64_t& stride : folded.mask_strides) stride = 0;
+  folded.mask_runs = out;
+  folded.mask_run_strides[0] = st[0] != 0 ? heads * positions : 0;
+  folded.mask_run_strides[1] = st[1] != 0 ? positions : 0;
+  folded.mask_run_strides[2] = st[2] != 0 ? 1 : 0;
+  return folded;
+}
 
 TileVisibility ClassifyTile(const AttentionMasks& m, const RowMasks& rm, const TaskRows& rows, int64_t s0,
                             int64_t s1) {

@@ -287,7 +287,8 @@ void RunTask(const RaggedPagedAttentionParams& p, const RaggedPagedAttentionConf
           std::memcpy(record + 2, a, static_cast<size_t>(d) * sizeof(float));
           continue;
         }
-        const float inv = sum[r] > 0 ? 1.0f / sum[r] : 0.0f;
+        // sum 0: no key seen; NaN (a NaN or overflowed logit) propagates, as in the reference.
+        const float inv = sum[r] != 0 ? 1.0f / sum[r] : 0.0f;
         DispatchDType(p.out.dtype, [&](auto tag) {
           using T = decltype(tag);
           T* o = static_cast<T*>(p.out.At(t, n, 0));
@@ -295,7 +296,7 @@ void RunTask(const RaggedPagedAttentionParams& p, const RaggedPagedAttentionConf
           return 0;
         });
         if (p.lse.data != nullptr) {
-          *static_cast<float*>(p.lse.At(t, n)) = sum[r] > 0 ? max[r] + std::log(sum[r]) : kNegInf;
+          *static_cast<float*>(p.lse.At(t, n)) = sum[r] != 0 ? max[r] + std::log(sum[r]) : kNegInf;
         }
       }
     }
@@ -319,14 +320,18 @@ void MergeRow(const RaggedPagedAttentionParams& p, const float* records, int64_t
       for (int64_t e = 0; e < d; ++e) acc[e] += w * record[2 + e];
     }
   }
-  const float inv = total > 0 ? 1.0f / total : 0.0f;
+  // A split that met a NaN logit holds a NaN sum whatever its max: the row is NaN.
+  for (int64_t c = 0; c < splits; ++c) {
+    if (std::isnan(records[c * stride + 1])) total = std::numeric_limits<float>::quiet_NaN();
+  }
+  const float inv = total != 0 ? 1.0f / total : 0.0f;
   DispatchDType(p.out.dtype, [&](auto tag) {
     using T = decltype(tag);
     T* o = static_cast<T*>(p.out.At(t, n, 0));
     for (int64_t e = 0; e < d; ++e) StoreFromFloat(o + e * p.out.strides[2], acc[e] * inv);
     return 0;
   });
-  if (p.lse.data != nullptr) *static_cast<float*>(p.lse.At(t, n)) = total > 0 ? m + std::log(total) : kNegInf;
+  if (p.lse.data != nullptr) *static_cast<float*>(p.lse.At(t, n)) = total != 0 ? m + std::log(total) : kNegInf;
 }
 
 void ZeroToken(const RaggedPagedAttentionParams& p, int64_t t) {
@@ -408,6 +413,10 @@ Status CheckRaggedPagedAttentionIndices(const RaggedPagedAttentionParams& p) {
   const int64_t total_pages = p.kv_cache.sizes[0], page_size = p.kv_cache.sizes[1];
   const int64_t pages_per_seq = num_seqs > 0 ? p.page_indices.count / num_seqs : 0;
   const int64_t d0 = p.distribution[0], d1 = p.distribution[1], d2 = p.distribution[2];
+  if (page_size < 1) {
+    return Status::Error(std::string(kOp) + ": kv_cache's page_size (shape[1]) must be at least 1, got " +
+                         Str(page_size));
+  }
   if (!(0 <= d0 && d0 <= d1 && d1 <= d2 && d2 <= num_seqs)) {
     return Status::Error(std::string(kOp) +
                          ": distribution must be the cumulative sequence counts [decode, decode + prefill, all active]"
