@@ -157,6 +157,46 @@ def test_equal_calls_bind_to_equal_arguments():
     assert a.cache_key()["local_window_size"] == [4, 4] and a.cache_key()["logits_soft_cap"] is True
 
 
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_wrong_typed_scalars_raise_type_errors_naming_the_argument(impl):
+    # A float where an int is meant is not truncated (sliding_window=2.7 once ran as 2), a string
+    # is not a truthy flag ("False"), a bool is not a count (router_topk(s, True) once meant k=1):
+    # each is a TypeError naming the op and the argument, raised before any tensor is read.
+    from tokamax_torch.ops import (fused_moe, gated_linear_unit, layer_norm,
+                                   linear_softmax_cross_entropy_loss, ragged_paged_attention, router_topk, topk)
+    x = torch.zeros(2, 4)
+    cases = [
+        (ragged_paged_attention, lambda op: op(*([x] * 8), sliding_window=2.7),
+         "ragged_paged_attention: sliding_window must be an int or None, got 2.7"),
+        (ragged_paged_attention, lambda op: op(*([x] * 8), use_causal_mask="no"),
+         "ragged_paged_attention: use_causal_mask must be a bool, got 'no'"),
+        (ragged_paged_attention, lambda op: op(*([x] * 8), soft_cap="3"),
+         "ragged_paged_attention: soft_cap must be a number or None, got '3'"),
+        (dpa, lambda op: op(x, x, x, is_causal="False"), "dot_product_attention: is_causal must be a bool, got 'False'"),
+        (dpa, lambda op: op(x, x, x, scale=True), "dot_product_attention: scale must be a number or None, got True"),
+        (layer_norm, lambda op: op(x, axis=-1.0), "layer_norm: axis must be an int, got -1.0"),
+        (layer_norm, lambda op: op(x, subtract_mean="False"), "layer_norm: subtract_mean must be a bool, got 'False'"),
+        (linear_softmax_cross_entropy_loss, lambda op: op(x, x, x, ignore_index=2.5),
+         "linear_softmax_cross_entropy_loss: ignore_index must be an int, got 2.5"),
+        (topk, lambda op: op(x, 1, return_scores="no"), "topk: return_scores must be a bool, got 'no'"),
+        (topk, lambda op: op(x, 1.5), "topk: k must be an int, got 1.5"),
+        (router_topk, lambda op: op(x, True), "router_topk: k must be an int, got True"),
+        (fused_moe, lambda op: op(x, x, x, x, topk=1.7), "fused_moe: topk must be an int, got 1.7"),
+        (fused_moe, lambda op: op(x, x, x, x, topk=1, renormalize="yes"),
+         "fused_moe: renormalize must be a bool, got 'yes'"),
+        (gated_linear_unit, lambda op: op(x, (x, x), return_residuals="no"),
+         "gated_linear_unit: return_residuals must be a bool, got 'no'"),
+    ]
+    for module, call, message in cases:
+        with pytest.raises(TypeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            call(getattr(module, impl))
+    # What is accepted: ints for floats, 0 and 1 for flags, numpy scalars (bound, not run).
+    import numpy as np
+    bound = dpa.kernel.bind(*attention_args(), is_causal=np.bool_(True), scale=np.float32(0.5),
+                            local_window_size=None, return_residuals=0)
+    assert bound["is_causal"] is True and bound["scale"] == 0.5 and bound["return_residuals"] is False
+
+
 def test_binding_errors_name_the_op_and_the_argument():
     lhs, rhs, gs = ragged_args()
     with pytest.raises(TypeError, match="ragged_dot: missing a required argument: 'group_sizes'"):

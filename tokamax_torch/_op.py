@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import numbers
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -42,6 +43,41 @@ def declared_products(names: Sequence[str], wrt: dict[str, tuple[str, ...]]) -> 
     if unknown:
         raise ValueError(f"products {sorted(unknown)} are not among the declared {list(names)}")
     return tuple(Product(name, index, wrt.get(name, ())) for index, name in enumerate(names))
+
+
+def scalar_int(family: str, name: str, value, *, optional: bool = False):
+    """An int argument as an int (a SymInt under torch.compile stays one); TypeError naming it for
+    anything else: a float is not truncated, a bool is not a count."""
+    if value is None and optional:
+        return None
+    if isinstance(value, torch.SymInt):
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    raise TypeError(f"{family}: {name} must be an int{' or None' if optional else ''}, got {value!r}")
+
+
+def scalar_float(family: str, name: str, value, *, optional: bool = False):
+    """A float argument as a float (ints accepted); TypeError naming it for anything else."""
+    if value is None and optional:
+        return None
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return value
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"{family}: {name} must be a number{' or None' if optional else ''}, got {value!r}")
+
+
+def scalar_flag(family: str, name: str, value) -> bool:
+    """A bool argument (0 and 1 accepted); TypeError naming it for anything else: a string such as
+    "False" would be truthy."""
+    if isinstance(value, torch.SymBool):
+        return value
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and value.dtype.kind == "b"):  # numpy's too
+        return bool(value)
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{family}: {name} must be a bool, got {value!r}")
 
 
 def argument_spec(value) -> Any:

@@ -59,17 +59,19 @@ def _window(local_window_size: WindowLike) -> Optional[list[int]]:
 
 
 def _optional_float(value, name: str) -> Optional[float]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"dot_product_attention: {name} must be a number or None, got {value!r}")
-    return float(value)
+    return _op.scalar_float("dot_product_attention", name, value, optional=True)
 
 
-def _block_sparse(is_causal, local_window_size, query_seq_lengths, key_value_seq_lengths, q_segment_ids) -> bool:
-    """Whether some mask lets the kernel skip whole kv tiles (the heuristics tile finer then)."""
+def _flag(value, name: str) -> bool:
+    return _op.scalar_flag("dot_product_attention", name, value)
+
+
+def _block_sparse(is_causal, local_window_size, query_seq_lengths, key_value_seq_lengths, q_segment_ids,
+                  mask) -> bool:
+    """Whether some mask lets the kernel skip whole kv tiles (the heuristics tile finer then); a
+    bool mask counts, as in the C++ call (FoldMaskRuns makes most of them ranges)."""
     return bool(is_causal) or local_window_size is not None or query_seq_lengths is not None or (
-        key_value_seq_lengths is not None) or q_segment_ids is not None
+        key_value_seq_lengths is not None) or q_segment_ids is not None or mask is not None
 
 
 class _DotProductAttention(_op.Op):
@@ -123,7 +125,7 @@ class _DotProductAttention(_op.Op):
             bias,
             mask,
             _optional_float(scale, "scale"),
-            bool(is_causal),
+            _flag(is_causal, "is_causal"),
             query_seq_lengths,
             key_value_seq_lengths,
             _window(local_window_size),
@@ -133,21 +135,21 @@ class _DotProductAttention(_op.Op):
             _configs.config_to_list(fwd),
             _configs.config_to_list(bwd),
         )
-        return (out, logsumexp) if return_residuals else out
+        return (out, logsumexp) if _flag(return_residuals, "return_residuals") else out
 
     def canonicalize(self, arguments: dict) -> dict:
         """The window as its (left, right) sides, the flags as bools, the numbers as floats."""
         arguments["scale"] = _optional_float(arguments["scale"], "scale")
         arguments["logits_soft_cap"] = _optional_float(arguments["logits_soft_cap"], "logits_soft_cap")
-        arguments["is_causal"] = bool(arguments["is_causal"])
-        arguments["return_residuals"] = bool(arguments["return_residuals"])
+        arguments["is_causal"] = _flag(arguments["is_causal"], "is_causal")
+        arguments["return_residuals"] = _flag(arguments["return_residuals"], "return_residuals")
         window = _window(arguments["local_window_size"])
         arguments["local_window_size"] = None if window is None else tuple(window)
         return arguments
 
     def config_op_arguments(self, bound) -> tuple:
         sparse = _block_sparse(*(bound[name] for name in ("is_causal", "local_window_size", "query_seq_lengths",
-                                                           "key_value_seq_lengths", "q_segment_ids")))
+                                                           "key_value_seq_lengths", "q_segment_ids", "mask")))
         return bound["query"], bound["key"], bound["value"], sparse
 
     def cache_key_arguments(self, bound) -> dict:

@@ -40,11 +40,12 @@ class _FusedMoe(_op.Op):
                  renormalize: bool = True, act_fn: str = "silu", w1_bias: Optional[torch.Tensor] = None,
                  w2_bias: Optional[torch.Tensor] = None, configs=None) -> torch.Tensor:
         fwd, bwd = self._split_configs(configs)
-        return self._op(x, w1, w2, gating, topk, bool(renormalize), str(act_fn), w1_bias, w2_bias,
+        return self._op(x, w1, w2, gating, _op.scalar_int(self.family, "topk", topk),
+                        _op.scalar_flag(self.family, "renormalize", renormalize), str(act_fn), w1_bias, w2_bias,
                         _configs.config_to_list(fwd), _configs.config_to_list(bwd))
 
     def canonicalize(self, arguments: dict) -> dict:
-        arguments["renormalize"] = bool(arguments["renormalize"])
+        arguments["renormalize"] = _op.scalar_flag(self.family, "renormalize", arguments["renormalize"])
         return arguments
 
     def config_op_arguments(self, bound) -> tuple:

@@ -65,7 +65,8 @@ class _GatedLinearUnit(_op.Op):
         residuals)``, residuals the pre-activations ``[..., M, 2, N]`` (gate, up) in x's dtype."""
         fwd, bwd = self._split_configs(configs)
         gate, up = _split_weights(weights)
-        out, residuals = self._op(x, gate, up, _activation(activation), bool(return_residuals),
+        return_residuals = _op.scalar_flag(self.family, "return_residuals", return_residuals)
+        out, residuals = self._op(x, gate, up, _activation(activation), return_residuals,
                                   _configs.config_to_list(fwd), _configs.config_to_list(bwd))
         return (out, residuals) if return_residuals else out
 

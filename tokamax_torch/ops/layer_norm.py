@@ -23,8 +23,8 @@ Config = _configs.config_class("layer_norm", __name__, "Blocking of the layer_no
 PRODUCTS = _configs.products("layer_norm")
 
 
-def _float(value) -> Optional[float]:
-    return None if value is None else float(value)
+def _float(value, name: str) -> Optional[float]:
+    return _op.scalar_float("layer_norm", name, value, optional=True)
 
 
 class _LayerNorm(_op.Op):
@@ -59,15 +59,17 @@ class _LayerNorm(_op.Op):
         ``return_residuals=True`` ``(that, (mean, rstd))``, both fp32 (float64 for float64 x) of
         x's leading shape (mean is zeros when subtract_mean=False)."""
         fwd, bwd = self._split_configs(configs)
-        y, h, mean, rstd = self._op(x, scale, offset, residual, int(axis), _float(epsilon), _float(scale_offset),
-                                    bool(subtract_mean), _configs.config_to_list(fwd), _configs.config_to_list(bwd))
+        y, h, mean, rstd = self._op(x, scale, offset, residual, _op.scalar_int(self.family, "axis", axis),
+                                    _float(epsilon, "epsilon"), _float(scale_offset, "scale_offset"),
+                                    _op.scalar_flag(self.family, "subtract_mean", subtract_mean),
+                                    _configs.config_to_list(fwd), _configs.config_to_list(bwd))
         out = (y, h) if residual is not None else y
         return (out, (mean, rstd)) if return_residuals else out
 
     def canonicalize(self, arguments: dict) -> dict:
-        arguments["axis"] = int(arguments["axis"])
-        arguments["epsilon"] = _float(arguments["epsilon"])
-        arguments["scale_offset"] = _float(arguments["scale_offset"])
+        arguments["axis"] = _op.scalar_int(self.family, "axis", arguments["axis"])
+        arguments["epsilon"] = _float(arguments["epsilon"], "epsilon")
+        arguments["scale_offset"] = _float(arguments["scale_offset"], "scale_offset")
         return arguments
 
     def config_op_arguments(self, bound) -> tuple:

@@ -25,8 +25,8 @@ Config = _configs.config_class("linear_softmax_cross_entropy_loss", __name__,
 PRODUCTS = _configs.products("linear_softmax_cross_entropy_loss")
 
 
-def _float(value) -> Optional[float]:
-    return None if value is None else float(value)
+def _float(value, name: str) -> Optional[float]:
+    return _op.scalar_float("linear_softmax_cross_entropy_loss", name, value, optional=True)
 
 
 class _LinearSoftmaxCrossEntropyLoss(_op.Op):
@@ -60,16 +60,17 @@ class _LinearSoftmaxCrossEntropyLoss(_op.Op):
         keeps torch.compile from tracing them as symbolic floats). Returns the loss (a scalar for
         sum/mean, [B] for none); with ``return_residuals=True`` ``(loss, lse)``, lse [B]."""
         fwd, bwd = self._split_configs(configs)
-        loss, lse = self._op(x, labels, weights, str(reduction), int(ignore_index), _float(label_smoothing),
-                             _float(z_loss_weight), _float(logits_soft_cap), _configs.config_to_list(fwd),
+        loss, lse = self._op(x, labels, weights, str(reduction), _op.scalar_int(self.family, "ignore_index", ignore_index),
+                             _float(label_smoothing, "label_smoothing"), _float(z_loss_weight, "z_loss_weight"),
+                             _float(logits_soft_cap, "logits_soft_cap"), _configs.config_to_list(fwd),
                              _configs.config_to_list(bwd))
         return (loss, lse) if return_residuals else loss
 
     def canonicalize(self, arguments: dict) -> dict:
         arguments["reduction"] = str(arguments["reduction"])
-        arguments["ignore_index"] = int(arguments["ignore_index"])
+        arguments["ignore_index"] = _op.scalar_int(self.family, "ignore_index", arguments["ignore_index"])
         for name in ("label_smoothing", "z_loss_weight", "logits_soft_cap"):
-            arguments[name] = _float(arguments[name])
+            arguments[name] = _float(arguments[name], name)
         return arguments
 
     def config_op_arguments(self, bound) -> tuple:

@@ -50,24 +50,26 @@ class _RaggedPagedAttention(_op.Op):
                  skip_kv_update: bool = False, return_lse: bool = False, configs=None):
         """sm_scale=None means 1.0 (upstream's default); mask_value=None drops masked keys."""
         fwd, _ = self._split_configs(configs)
+        f = self.family
         (out, lse), kv_cache = self._call_donating(
-            queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, bool(use_causal_mask),
-            None if sm_scale is None else float(sm_scale), None if sliding_window is None else int(sliding_window),
-            None if soft_cap is None else float(soft_cap), None if mask_value is None else float(mask_value),
-            out_dtype, bool(skip_kv_update), _configs.config_to_list(fwd))
-        return (out, kv_cache, lse) if return_lse else (out, kv_cache)
+            queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+            _op.scalar_flag(f, "use_causal_mask", use_causal_mask), _op.scalar_float(f, "sm_scale", sm_scale, optional=True),
+            _op.scalar_int(f, "sliding_window", sliding_window, optional=True),
+            _op.scalar_float(f, "soft_cap", soft_cap, optional=True),
+            _op.scalar_float(f, "mask_value", mask_value, optional=True), out_dtype,
+            _op.scalar_flag(f, "skip_kv_update", skip_kv_update), _configs.config_to_list(fwd))
+        return (out, kv_cache, lse) if _op.scalar_flag(f, "return_lse", return_lse) else (out, kv_cache)
 
     def donated_outputs(self, result) -> tuple:
         return (result[1],)
 
     def canonicalize(self, arguments: dict) -> dict:
         for name in ("sm_scale", "soft_cap", "mask_value"):
-            if arguments[name] is not None:
-                arguments[name] = float(arguments[name])
-        if arguments["sliding_window"] is not None:
-            arguments["sliding_window"] = int(arguments["sliding_window"])
+            arguments[name] = _op.scalar_float(self.family, name, arguments[name], optional=True)
+        arguments["sliding_window"] = _op.scalar_int(self.family, "sliding_window", arguments["sliding_window"],
+                                                     optional=True)
         for name in ("use_causal_mask", "skip_kv_update", "return_lse"):
-            arguments[name] = bool(arguments[name])
+            arguments[name] = _op.scalar_flag(self.family, name, arguments[name])
         return arguments
 
     def config_op_arguments(self, bound) -> tuple:

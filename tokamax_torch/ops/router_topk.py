@@ -22,7 +22,7 @@ class _RouterTopK(_op.Op):
     summary = "MoE router top-k: each row's k largest scores (raw, fp32) and expert ids, ties to the lowest id."
 
     def __call__(self, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._op(scores, k)
+        return self._op(scores, _op.scalar_int(self.family, "k", k))
 
 
 reference = _RouterTopK("reference", torch.ops.tokamax.router_topk_reference.default)

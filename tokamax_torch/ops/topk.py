@@ -26,7 +26,8 @@ class _TopK(_op.Op):
     def __call__(self, scores: torch.Tensor, k: int, row_lengths: Optional[torch.Tensor] = None, *,
                  return_scores: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """row_lengths may be given by position (as upstream), so torch.export sees it as an input."""
-        indices, values = self._op(scores, k, row_lengths, bool(return_scores))
+        return_scores = _op.scalar_flag(self.family, "return_scores", return_scores)
+        indices, values = self._op(scores, _op.scalar_int(self.family, "k", k), row_lengths, return_scores)
         return indices, (values if return_scores else None)
 
 
