@@ -629,6 +629,26 @@ def test_nan_and_overflowed_logits_propagate_and_are_not_taken_for_masked_rows(t
     assert out[0, 2, 1].isnan().all() and lse[0, 1, 2].isnan()
     assert torch.equal(out[0, t - 1], torch.zeros_like(out[0, t - 1])) and (lse[0, :, t - 1] == -math.inf).all()
     assert not out[0, 0].isnan().any() and not lse[0, :, 0].isnan().any()
+    want, want_lse = dpa.reference(q, k, v, return_residuals=True, query_seq_lengths=torch.tensor([t - 1]))
+    # (the overflowed row's lse: +inf in the reference, NaN in the kernel; both not finite)
+    assert torch.equal(want.isnan(), out.isnan()) and torch.equal(want_lse.isfinite(), lse.isfinite())
+
+
+@pytest.mark.parametrize("impl", [dpa.kernel, dpa.reference], ids=["kernel", "reference"])
+def test_nan_in_keys_and_values_no_query_sees_reaches_nothing(impl):
+    # Keys past key_value_seq_lengths (a padded batch's garbage, NaN included) reach no output
+    # or gradient: the kernel never reads them, the reference zeroes them (it once let 0 * NaN
+    # through).
+    q, k, v = make_qkv(2, 50, 80, 2, 1, 16)
+    k[0, 60:] = math.nan
+    v[1, 30:] = math.nan
+    lengths = torch.tensor([60, 30])
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    out = impl(*leaves, key_value_seq_lengths=lengths, is_causal=True)
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    for t in (out, *grads):
+        assert not t.isnan().any()
+    assert torch.equal(grads[1][0, 60:], torch.zeros_like(grads[1][0, 60:]))
 
 
 def test_a_zero_width_value_still_gives_the_logsumexp_and_its_gradient():

@@ -422,3 +422,16 @@ def linear_softmax_cross_entropy_loss_kernel_matches_float64_oracle(problem):
 
 
 PROPERTIES = [linear_softmax_cross_entropy_loss_kernel_matches_float64_oracle]
+
+
+@pytest.mark.parametrize("impl", [lce.kernel, lce.reference], ids=["kernel", "reference"])
+@pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
+def test_an_empty_vocabulary_with_every_label_ignored(impl, reduction):
+    # V = 0 is valid when no label needs a class: loss 0, lse -inf, zero gradients; the reference
+    # once raised ATen's gather error (an ignored row picked column 0).
+    x = torch.randn(3, 4, requires_grad=True)
+    weights = torch.randn(4, 0, requires_grad=True)
+    loss, lse = impl(x, torch.full((3,), -100), weights, reduction=reduction, return_residuals=True)
+    loss.sum().backward()
+    assert torch.equal(loss, torch.zeros_like(loss)) and (lse == float("-inf")).all()
+    assert torch.equal(x.grad, torch.zeros_like(x))

@@ -190,3 +190,27 @@ def ragged_gather_reduce_kernel_matches_float64_oracle(problem):
 
 
 PROPERTIES = [ragged_gather_reduce_kernel_matches_float64_oracle]
+
+
+@pytest.mark.parametrize("impl", [rgr.kernel, rgr.reference], ids=["kernel", "reference"])
+def test_invalid_rows_reach_nothing_even_with_no_rows_or_nan(impl):
+    # Invalid rows are never read, by the kernel or the reference: an x of no rows with nothing
+    # valid gives zeros (the reference once raised ATen's index_select error), and NaN in an
+    # invalid row's x or weight reaches neither the sum nor any gradient (the reference once let
+    # 0 * NaN through).
+    x = torch.randn(0, 3, requires_grad=True)
+    out = impl(x, torch.tensor([5, 7]), torch.randn(2, requires_grad=True), torch.tensor([False, False]), 2)
+    out.sum().backward()
+    assert torch.equal(out, torch.zeros(1, 3)) and x.grad.shape == (0, 3)
+    x = torch.randn(4, 3)
+    x[2] = float("nan")
+    weights = torch.randn(4)
+    weights[1] = float("nan")
+    x.requires_grad_()
+    weights.requires_grad_()
+    valid = torch.tensor([True, False, True, True])  # entry 1 (row 2, weight 1) invalid
+    out = impl(x, torch.tensor([0, 2, 1, 3]), weights, valid, 2)
+    out.sum().backward()
+    for t in (out, x.grad, weights.grad):
+        assert not t.isnan().any()
+    assert torch.equal(x.grad[2], torch.zeros(3)) and weights.grad[1] == 0

@@ -62,3 +62,13 @@ def ragged_scatter_kernel_matches_oracle(problem):
 
 
 PROPERTIES = [ragged_scatter_kernel_matches_oracle]
+
+
+@pytest.mark.parametrize("impl", [rs.kernel, rs.reference], ids=["kernel", "reference"])
+def test_no_rows_and_nothing_selected_gives_zeros(impl):
+    # x of no rows, every index outside [start, end): zero rows; the reference once raised
+    # ATen's index_select error.
+    x = torch.randn(0, 3, requires_grad=True)
+    out = impl(x, torch.tensor([0, 3]), torch.tensor(0), torch.tensor(0))
+    out.sum().backward()
+    assert torch.equal(out, torch.zeros(2, 3)) and x.grad.shape == (0, 3)

@@ -94,6 +94,15 @@ at::Tensor NewOutputLike(const at::Tensor& t, std::optional<at::ScalarType> dtyp
 // A dense CPU tensor outside any tracing (no fake, functional or Python-subclass wrapper): the
 // only case where a backward may write over a saved tensor. Traced graphs (torch.compile) keep
 // the functional op, whose memory the compiler plans.
+// Rows `indices` of a 2-D x where `keep`, zero rows elsewhere, in plain ATen ops for the
+// references: a dropped entry reads a zero row appended to x, not one of x's own (its index may be
+// anything, x may have no rows at all, and a NaN in x must reach neither the result nor the
+// gradients of a dropped entry).
+inline at::Tensor GatherRowsOrZero(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& keep) {
+  const at::Tensor padded = at::cat({x, at::zeros_symint({1, x.sym_size(1)}, x.options())});
+  return padded.index_select(0, at::where(keep, indices.to(at::kLong), at::Scalar(x.sym_size(0))));
+}
+
 inline bool IsPlainCpu(const at::Tensor& t) {
   return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided &&
          !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,

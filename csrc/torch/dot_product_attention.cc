@@ -491,13 +491,22 @@ std::tuple<Tensor, Tensor> DotProductAttentionReferenceImpl(const AttentionArgs&
   // [B, T, N, H] -> [B, K, G, T, H]; key and value [B, S, K, *] -> [B, K, 1, S, *] (no repeat).
   const Tensor q = a.query.to(acc).view_symint({sig.batch, sig.q_len, sig.kv_heads, group, sig.head_dim})
                        .permute({0, 2, 3, 1, 4});
-  const Tensor k = a.key.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);
-  const Tensor v = a.value.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);
+  Tensor k = a.key.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);
+  Tensor v = a.value.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);
+  const Tensor visible = VisibilityMask(a, sig);
+  if (visible.defined()) {
+    // Keys no query of their batch sees (past key_value_seq_lengths, say) are never read by the
+    // kernel: here they are zeroed, so garbage in them (NaN) reaches no result or gradient
+    // through 0 * NaN either.
+    const Tensor seen = visible.expand_symint({sig.batch, sig.q_heads, sig.q_len, sig.kv_len}).any(2).any(1);
+    const Tensor unseen = seen.logical_not().view_symint({sig.batch, 1, 1, sig.kv_len, 1});
+    k = k.masked_fill(unseen, 0.0);
+    v = v.masked_fill(unseen, 0.0);
+  }
   Tensor logits = at::matmul(q, k.transpose(-1, -2)) * ScaleOf(a.scale, sig);  // [B, K, G, T, S]
   logits = logits.reshape_symint({sig.batch, sig.q_heads, sig.q_len, sig.kv_len});
   if (a.bias.has_value()) logits = logits + a.bias->to(acc);
   if (a.logits_soft_cap.has_value()) logits = at::tanh(logits / *a.logits_soft_cap) * *a.logits_soft_cap;
-  const Tensor visible = VisibilityMask(a, sig);
   const double neg_inf = -std::numeric_limits<double>::infinity();
   if (visible.defined()) logits = at::where(visible, logits, neg_inf);
   // Safe softmax: rows with no visible key have max -inf; shift them by 0 so exp gives 0, and
@@ -509,7 +518,8 @@ std::tuple<Tensor, Tensor> DotProductAttentionReferenceImpl(const AttentionArgs&
   const Tensor shift = at::where(at::isfinite(max), max, 0.0);
   const Tensor probs = at::exp(logits - shift);
   const Tensor sum = probs.sum(-1, /*keepdim=*/true);
-  const Tensor nonempty = sum > 0;
+  // sum is 0 only for a row that sees no key; NaN (a NaN or overflowed logit) stays NaN.
+  const Tensor nonempty = sum != 0;
   const Tensor safe_sum = at::where(nonempty, sum, 1.0);
   const Tensor weighted = at::matmul(probs.view_symint({sig.batch, sig.kv_heads, group, sig.q_len, sig.kv_len}), v);
   const Tensor out = (weighted.reshape_symint({sig.batch, sig.q_heads, sig.q_len, sig.value_dim}) / safe_sum)

@@ -234,8 +234,10 @@ ForwardResult LceReference(const Tensor& x, const Tensor& labels, const Tensor& 
   if (logits_soft_cap) logits = at::tanh(logits / *logits_soft_cap) * *logits_soft_cap;
   const Tensor lse = at::logsumexp(logits, {-1});
   const Tensor valid = labels.ne(ignore_index);
-  const Tensor safe = at::where(valid, labels, at::zeros_like(labels)).to(at::kLong);
-  Tensor loss = lse - logits.gather(1, safe.unsqueeze(1)).squeeze(1);
+  // An ignored row picks an appended zero column (its label may be anything; V may be 0).
+  const Tensor padded = at::cat({logits, at::zeros_symint({logits.sym_size(0), 1}, logits.options())}, 1);
+  const Tensor safe = at::where(valid, labels.to(at::kLong), at::Scalar(logits.sym_size(1)));
+  Tensor loss = lse - padded.gather(1, safe.unsqueeze(1)).squeeze(1);
   const double smoothing = label_smoothing.value_or(0.0);
   if (smoothing != 0.0) loss = loss * (1.0 - smoothing) + (lse - logits.mean(-1)) * smoothing;
   if (z_loss_weight.value_or(0.0) != 0.0) loss = loss + lse * lse * *z_loss_weight;

@@ -110,7 +110,7 @@ Tensor RaggedGatherBackwardMeta(const Tensor& dout, const Tensor& x, const Tenso
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
-// Plain ATen: rows not selected gather row 0 (their index may be anything) and become zeros.
+// Plain ATen: rows not selected are zeros (GatherRowsOrZero: their index may be anything).
 // Autograd and shapes by decomposition; no check of start, end or index values.
 Tensor GatherReference(bool by_index, const Tensor& x, const Tensor& indices, const Tensor& start,
                        const Tensor& end) {
@@ -118,8 +118,7 @@ Tensor GatherReference(bool by_index, const Tensor& x, const Tensor& indices, co
   const Tensor wide_indices = indices.to(at::kLong);
   const Tensor key = by_index ? wide_indices : at::ones_like(wide_indices).cumsum(0) - 1;  // the index, or j
   const Tensor keep = (key >= start.reshape({})).logical_and(key < end.reshape({}));
-  const Tensor rows = x.index_select(0, at::where(keep, wide_indices, at::zeros_like(wide_indices)));
-  return at::where(keep.unsqueeze(1), rows, at::zeros_like(rows));
+  return GatherRowsOrZero(x, wide_indices, keep);
 }
 
 Tensor RaggedGatherReference(const Tensor& x, const Tensor& indices, const Tensor& start, const Tensor& end) {

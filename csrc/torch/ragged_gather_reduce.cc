@@ -120,9 +120,10 @@ Tensor RaggedGatherReduceReference(const Tensor& x, const Tensor& indices, const
                                    const Tensor& valid_rows_mask, c10::SymInt reduce_group_size) {
   CheckRaggedGatherReduceArgs(x, indices, topk_weights, valid_rows_mask, reduce_group_size);
   const at::ScalarType wide = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const Tensor safe = at::where(valid_rows_mask, indices.to(at::kLong), at::zeros_like(indices, at::kLong));
-  const Tensor rows = x.to(wide).index_select(0, safe) * topk_weights.to(wide).unsqueeze(1);
-  const Tensor kept = at::where(valid_rows_mask.unsqueeze(1), rows, at::zeros_like(rows));
+  // Invalid rows: zero rows times zero weights, so neither a NaN in them nor an index out of
+  // range (x may have no rows) reaches the sum or the gradients.
+  const Tensor weights = at::where(valid_rows_mask, topk_weights.to(wide), at::zeros_like(topk_weights, wide));
+  const Tensor kept = GatherRowsOrZero(x.to(wide), indices, valid_rows_mask) * weights.unsqueeze(1);
   return kept.view_symint({indices.sym_size(0) / reduce_group_size, reduce_group_size, x.sym_size(1)})
       .sum(1)
       .to(x.scalar_type());
