@@ -2,6 +2,8 @@
 gradients) for every dtype and option, F.cross_entropy's semantics, ignored rows, the nn.Linear
 layout, and the property test."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -435,3 +437,15 @@ def test_an_empty_vocabulary_with_every_label_ignored(impl, reduction):
     loss.sum().backward()
     assert torch.equal(loss, torch.zeros_like(loss)) and (lse == float("-inf")).all()
     assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("impl", [lce.kernel, lce.reference], ids=["kernel", "reference"])
+def test_a_row_of_minus_inf_logits_has_minus_inf_lse_not_nan(impl):
+    # Infinite inputs can make every logit of a row -inf: its lse is -inf, as logsumexp gives,
+    # not NaN from exp(-inf - -inf) (the vector exp keeps NaN since the seventh session).
+    x = torch.randn(3, 4)
+    x[1, 0] = -math.inf
+    weights = torch.randn(4, 40)
+    weights[0] = weights[0].abs() + 0.5  # row 1's logits: -inf in every column
+    _, lse = impl(x, torch.tensor([0, -100, 2]), weights, reduction="none", return_residuals=True)
+    assert lse[1] == -math.inf and lse[[0, 2]].isfinite().all()

@@ -91,9 +91,6 @@ inline at::Tensor NewZeroedOutput(at::IntArrayRef sizes, const at::TensorOptions
 // transposed output), else contiguous; in `dtype` when given.
 at::Tensor NewOutputLike(const at::Tensor& t, std::optional<at::ScalarType> dtype = std::nullopt);
 
-// A dense CPU tensor outside any tracing (no fake, functional or Python-subclass wrapper): the
-// only case where a backward may write over a saved tensor. Traced graphs (torch.compile) keep
-// the functional op, whose memory the compiler plans.
 // Rows `indices` of a 2-D x where `keep`, zero rows elsewhere, in plain ATen ops for the
 // references: a dropped entry reads a zero row appended to x, not one of x's own (its index may be
 // anything, x may have no rows at all, and a NaN in x must reach neither the result nor the
@@ -103,6 +100,9 @@ inline at::Tensor GatherRowsOrZero(const at::Tensor& x, const at::Tensor& indice
   return padded.index_select(0, at::where(keep, indices.to(at::kLong), at::Scalar(x.sym_size(0))));
 }
 
+// A dense CPU tensor outside any tracing (no fake, functional or Python-subclass wrapper): the
+// only case where a backward may write over a saved tensor. Traced graphs (torch.compile) keep
+// the functional op, whose memory the compiler plans.
 inline bool IsPlainCpu(const at::Tensor& t) {
   return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided &&
          !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,

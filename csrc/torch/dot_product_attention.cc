@@ -491,18 +491,9 @@ std::tuple<Tensor, Tensor> DotProductAttentionReferenceImpl(const AttentionArgs&
   // [B, T, N, H] -> [B, K, G, T, H]; key and value [B, S, K, *] -> [B, K, 1, S, *] (no repeat).
   const Tensor q = a.query.to(acc).view_symint({sig.batch, sig.q_len, sig.kv_heads, group, sig.head_dim})
                        .permute({0, 2, 3, 1, 4});
-  Tensor k = a.key.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);
-  Tensor v = a.value.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);
+  const Tensor k = a.key.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);
+  const Tensor v = a.value.to(acc).permute({0, 2, 1, 3}).unsqueeze(2);
   const Tensor visible = VisibilityMask(a, sig);
-  if (visible.defined()) {
-    // Keys no query of their batch sees (past key_value_seq_lengths, say) are never read by the
-    // kernel: here they are zeroed, so garbage in them (NaN) reaches no result or gradient
-    // through 0 * NaN either.
-    const Tensor seen = visible.expand_symint({sig.batch, sig.q_heads, sig.q_len, sig.kv_len}).any(2).any(1);
-    const Tensor unseen = seen.logical_not().view_symint({sig.batch, 1, 1, sig.kv_len, 1});
-    k = k.masked_fill(unseen, 0.0);
-    v = v.masked_fill(unseen, 0.0);
-  }
   Tensor logits = at::matmul(q, k.transpose(-1, -2)) * ScaleOf(a.scale, sig);  // [B, K, G, T, S]
   logits = logits.reshape_symint({sig.batch, sig.q_heads, sig.q_len, sig.kv_len});
   if (a.bias.has_value()) logits = logits + a.bias->to(acc);

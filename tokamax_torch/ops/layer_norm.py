@@ -64,7 +64,7 @@ class _LayerNorm(_op.Op):
                                     _op.scalar_flag(self.family, "subtract_mean", subtract_mean),
                                     _configs.config_to_list(fwd), _configs.config_to_list(bwd))
         out = (y, h) if residual is not None else y
-        return (out, (mean, rstd)) if return_residuals else out
+        return (out, (mean, rstd)) if _op.scalar_flag(self.family, "return_residuals", return_residuals) else out
 
     def canonicalize(self, arguments: dict) -> dict:
         arguments["axis"] = _op.scalar_int(self.family, "axis", arguments["axis"])

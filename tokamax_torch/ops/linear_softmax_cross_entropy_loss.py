@@ -64,7 +64,7 @@ class _LinearSoftmaxCrossEntropyLoss(_op.Op):
                              _float(label_smoothing, "label_smoothing"), _float(z_loss_weight, "z_loss_weight"),
                              _float(logits_soft_cap, "logits_soft_cap"), _configs.config_to_list(fwd),
                              _configs.config_to_list(bwd))
-        return (loss, lse) if return_residuals else loss
+        return (loss, lse) if _op.scalar_flag(self.family, "return_residuals", return_residuals) else loss
 
     def canonicalize(self, arguments: dict) -> dict:
         arguments["reduction"] = str(arguments["reduction"])

@@ -128,7 +128,7 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
         const float lse = static_cast<const float*>(p.lse)[b * p.lse_strides[0] + n * p.lse_strides[1] + t * p.lse_strides[2]];
         lse_sub[r] = lse == kNegInf ? 0.0f : lse;
         if (lse == kNegInf) s.dead_rows.push_back(r);
-        coarse = coarse || std::fabs(lse) >= kCoarseLse;
+        coarse = coarse || (std::isfinite(lse) && std::fabs(lse) >= kCoarseLse);  // not dead (-inf) rows
       }
       // The block's operands: Q (scaled, or for bf16 exact) and dO as rows, and transposed. A row
       // that sees no key sends exactly zero gradients whatever its q and dO hold (NaN in a padded
@@ -191,7 +191,8 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
         probabilities(s0, visibility, keys, nullptr, s.renorm.data());
       });
       for (int64_t c = 0; c < cols; ++c) {
-        const bool coarse_row = c < count && std::fabs(lse_sub[c]) >= kCoarseLse && s.renorm[c] > 0.0f;
+        const bool coarse_row = c < count && std::isfinite(lse_sub[c]) && std::fabs(lse_sub[c]) >= kCoarseLse &&
+                                s.renorm[c] > 0.0f;
         s.renorm[c] = coarse_row ? 1.0f / s.renorm[c] : 1.0f;
       }
     }
@@ -219,13 +220,14 @@ void BackwardTask(const DotProductAttentionGradParams& g, const Dims& d, const K
         }
         // dS = P ∘ (dP - delta), times the soft cap's derivative.
         k.softmax->softmax_grad_columns(st, dpt, keys, ld_st, cols, delta);
-        for (const int64_t r : s.dead_rows) {
-          for (int64_t j = 0; j < keys; ++j) dpt[j * ld_st + r] = 0.0f;
-        }
         if (cap_slopes != nullptr) {  // the real rows: soft_cap writes no slope for padding columns
           for (int64_t j = 0; j < keys; ++j) {
             for (int64_t r = 0; r < count; ++r) dpt[j * ld_st + r] *= cap_slopes[j * ld_st + r];
           }
+        }
+        // Last: a dead row's slope is NaN when its raw q is (the bf16 engine reads q unzeroed).
+        for (const int64_t r : s.dead_rows) {
+          for (int64_t j = 0; j < keys; ++j) dpt[j * ld_st + r] = 0.0f;
         }
         if (g.dbias != nullptr) {
           for (int64_t r = 0; r < count; ++r) {

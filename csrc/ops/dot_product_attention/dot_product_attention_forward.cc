@@ -200,8 +200,9 @@ Status DotProductAttention(const DotProductAttentionParams& params, const DotPro
     ZeroOutputs(params, d);
     return Status::Ok();
   }
-  if (d.value_dim == 0) {  // no output, but a logsumexp: the exact loops, cheaper than any tiling
-    DotProductAttentionReference(params);
+  if (d.value_dim == 0) {
+    // No output, but a logsumexp when asked for: the exact loops (serial; a degenerate shape).
+    if (params.lse != nullptr) DotProductAttentionReference(params);
     return Status::Ok();
   }
   std::vector<int64_t> mask_runs;

@@ -4,6 +4,8 @@
 // tokamax-tiers: scalar avx2 avx512
 #include "csrc/core/vec/vec.h"
 
+#include <limits>
+
 #include "csrc/ops/linear_softmax_cross_entropy_loss/linear_softmax_cross_entropy_loss.h"
 
 namespace tokamax {
@@ -15,12 +17,15 @@ void ForwardTile(const float* z, int64_t rows, int64_t ld, int64_t cols, float* 
     const Vec old_max = Load(max + c);
     Vec m = old_max;
     for (int64_t v = 0; v < rows; ++v) m = Max(m, Load(z + v * ld + c));
-    // The old sum rescaled; a first tile's old max is -inf, its sum 0 and exp(-inf) exactly 0.
-    Vec total = Mul(Load(sum + c), Exp(Sub(old_max, m)));
+    // The shift: the max, or the lowest float while every logit so far is -inf (only infinite
+    // inputs give that), so exp sees -inf - lowest = -inf, exactly 0, not -inf - -inf = NaN
+    // (Exp keeps NaN). The old sum rescaled: a first tile's old max is -inf and its sum 0.
+    const Vec shift = Max(m, Set1(std::numeric_limits<float>::lowest()));
+    Vec total = Mul(Load(sum + c), Exp(Sub(old_max, shift)));
     Vec zs = Zero();
     for (int64_t v = 0; v < rows; ++v) {
       const Vec x = Load(z + v * ld + c);
-      total = Add(total, Exp(Sub(x, m)));
+      total = Add(total, Exp(Sub(x, shift)));
       zs = Add(zs, x);
     }
     Store(max + c, m);
