@@ -35,3 +35,16 @@ def test_best_tier_ignores_a_forced_lower_tier(monkeypatch):
     monkeypatch.setenv("TOKAMAX_CPU_ISA", "scalar")
     assert common.best_cpu_tier() == best
     assert common.os.environ["TOKAMAX_CPU_ISA"] == "scalar"
+
+
+def test_the_ceilings_probe_checks_its_arguments():
+    # The benchmarks' in-process ceilings (torch.ops.tokamax._measure_ceilings): a negative FMA
+    # count once returned a negative peak and an empty buffer 0 GB/s; both raise now, and 0 FMA
+    # iterations (bandwidth only, as benchmarks/attention.py asks) still measures bandwidth.
+    import torch
+    import tokamax_torch  # noqa: F401  (loads the ops)
+    with pytest.raises(RuntimeError, match="fma_iterations must be >= 0"):
+        torch.ops.tokamax._measure_ceilings(torch.zeros(1024), -5)
+    with pytest.raises(RuntimeError, match="buffer must hold at least one float per thread"):
+        torch.ops.tokamax._measure_ceilings(torch.zeros(0), 3)
+    assert torch.ops.tokamax._measure_ceilings(torch.zeros(1 << 16), 0)[2] > 0

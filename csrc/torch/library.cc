@@ -62,6 +62,11 @@ std::vector<std::string> CpuDescription() {
 std::vector<double> MeasureCeilings(const at::Tensor& buffer, int64_t fma_iterations) {
   TORCH_CHECK(buffer.scalar_type() == at::kFloat && buffer.is_contiguous() && buffer.device().is_cpu(),
               "_measure_ceilings: buffer must be a contiguous CPU float32 tensor");
+  TORCH_CHECK(fma_iterations >= 0, "_measure_ceilings: fma_iterations must be >= 0 (0: bandwidth only), got ",
+              fma_iterations);
+  TORCH_CHECK(buffer.numel() >= at::get_num_threads(),
+              "_measure_ceilings: buffer must hold at least one float per thread (", at::get_num_threads(),
+              "), got ", buffer.numel());
   Isa isa;
   const Status status = ActiveIsa(&isa);
   TORCH_CHECK(status.ok(), status.message());
