@@ -34,4 +34,5 @@ def user_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(tokamax_torch.config, "cache_dir", str(tmp_path / "cache"))
     monkeypatch.setattr(tokamax_torch.config, "autotuning_cache_miss", "heuristics")
     monkeypatch.setattr(cache_mod, "_warned", set())
+    monkeypatch.setattr(cache_mod, "_parsed", {})
     return tmp_path / "cache"

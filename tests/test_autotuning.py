@@ -1,5 +1,6 @@
 """The autotuning cache and the autotuner (issue 3)."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -417,3 +418,107 @@ def test_command_line_is_built_from_the_registry(capsys):
             cli.main(argv)
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+# ---- an audit of the configs and autotuning machinery (2026-12-07) ---------------------------------
+
+
+def test_two_unparseable_files_moved_aside_keep_both_backups():
+    # Backups were named by the second: a second file moved aside in the same second replaced
+    # the first backup, losing the user's data.
+    path = user_file()
+    path.parent.mkdir(parents=True)
+    foreign = [_file(_entry(GOOD), format=f"tokamax_torch.autotuning/{n}") for n in (2, 3)]
+    for text in foreign:
+        path.write_text(text)
+        with pytest.warns(RuntimeWarning, match="moved it to"):
+            tune(*small_args(), products=["forward"])
+    kept = sorted(p.read_text() for p in path.parent.glob("ragged_dot.json.bad-*"))
+    assert kept == sorted(foreign)
+
+
+def test_autotuning_runs_on_a_copy_of_a_donated_cache():
+    # Every candidate run of ragged_paged_attention writes its new tokens into the kv cache: the
+    # tuner must run them on a copy, leaving the caller's cache as it was.
+    from test_ragged_paged_attention import problem
+    args = problem()
+    before = args[3].clone()
+    tokamax_torch.autotune(tokamax_torch.ragged_paged_attention, *args, write_cache=False, max_configs=2, reps=1,
+                           warmup=0, progress=False)
+    assert torch.equal(args[3], before)
+
+
+def test_a_run_of_some_products_still_gives_a_whole_config_pair(monkeypatch):
+    # products="forward" (a string, once iterated by character) tunes the forward only; the
+    # result's configs fill the backward with its heuristic (once a KeyError). Without tqdm (an
+    # optional extra) the progress bar is left out instead of failing the run.
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    args = small_args()
+    result = tokamax_torch.autotune(tokamax_torch.ragged_dot, *args, products="forward", write_cache=False,
+                                    max_configs=2, reps=1, warmup=0, progress=True)
+    fwd, bwd = result.configs
+    assert [p.product for p in result.products] == ["forward"]
+    assert bwd == tokamax_torch.get_configs(tokamax_torch.ragged_dot, *args)[1]
+    assert isinstance(fwd, rd.Config)
+
+
+def test_another_ops_config_is_refused():
+    # The C++ side checks a config's width and bounds only: another op's Config of the same
+    # width would run with its fields reinterpreted by position.
+    from tokamax_torch.ops import dot_product_attention as dpa
+    from tokamax_torch.ops import linear_softmax_cross_entropy_loss as lce
+    from tokamax_torch.ops import ragged_paged_attention as rpa
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(TypeError, match="configs\\[0\\] must be Config of dot_product_attention.*got "
+                                        "tokamax_torch.ops.linear_softmax_cross_entropy_loss.Config"):
+        dpa.kernel(q, q, q, configs=(lce.Config(16, 16, 256), None))
+    with pytest.raises(TypeError, match="no backward config; configs\\[1\\] must be None, got 'abc'"):
+        rpa.kernel(*([q] * 8), configs=(None, "abc"))
+    out = dpa.kernel(q, q, q, configs=(dpa.Config(8, 8, 1), [8, 8, 1]))  # its own Config, or ints
+    assert out.shape == q.shape
+
+
+def test_settings_from_the_environment_never_break_the_import(tmp_path):
+    # A bad TOKAMAX_TORCH_AUTOTUNING_CACHE_MISS once made `import tokamax_torch` raise; now it
+    # warns, naming the variable, and keeps the default. Empty means unset; ~ is expanded; an
+    # out-of-range TOKAMAX_BUFFER_CACHE_MIB no longer wraps the limit to 0 or below.
+    code = ("import warnings, tokamax_torch as t\n"
+            "print(t.config.autotuning_cache_miss, t.config.cache_dir, t.cache_limit())\n")
+    env = dict(os.environ, TOKAMAX_TORCH_AUTOTUNING_CACHE_MISS="WARN", TOKAMAX_TORCH_CACHE_DIR="~/tt",
+               HOME=str(tmp_path), TOKAMAX_BUFFER_CACHE_MIB=str(2 ** 44))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    miss, cache_dir, limit = done.stdout.split()
+    assert miss == "heuristics" and cache_dir == str(tmp_path / "tt") and int(limit) == 2 ** 62
+    assert "TOKAMAX_TORCH_AUTOTUNING_CACHE_MISS='WARN' ignored" in done.stderr
+    with pytest.raises(ValueError, match="cache_dir must be a non-empty path, got None"):
+        tokamax_torch.config.cache_dir = None
+
+
+def test_lookups_reuse_the_parsed_file_until_it_changes(monkeypatch):
+    # Lookups keep each parsed file by its stat (an audit timed 295 ms per get_configs with a
+    # 2000-entry file re-read per product); a file written since is read again.
+    args = small_args()
+    tune(*args, products=["forward"])
+    reads = []
+    real_read = cache_mod.ConfigCache._read
+    # (A file that does not exist, such as the shipped one of a class without one, is not kept:
+    # looking for it is one failed stat.)
+    monkeypatch.setattr(cache_mod.ConfigCache, "_read",
+                        lambda self, path: (reads.append(path) if path == user_file() else None) or real_read(self, path))
+    first = tokamax_torch.get_configs(tokamax_torch.ragged_dot, *args, from_autotuning_cache=True)
+    count = len(reads)
+    assert tokamax_torch.get_configs(tokamax_torch.ragged_dot, *args, from_autotuning_cache=True) == first
+    assert len(reads) == count  # nothing read again
+    path = user_file()
+    data = json.loads(path.read_text())
+    key = next(iter(data["entries"]))
+    for result in data["entries"][key]["results"]:
+        result["median_ms"] = 1e9
+    fastest = data["entries"][key]["results"][-1]
+    fastest["median_ms"] = 1e-9
+    replacement = path.with_name("replacement.json")
+    replacement.write_text(json.dumps(data))
+    os.replace(replacement, path)
+    changed = tokamax_torch.get_configs(tokamax_torch.ragged_dot, *args, from_autotuning_cache=True)
+    assert dataclasses.asdict(changed[0]) == fastest["config"] and len(reads) > count

@@ -193,12 +193,17 @@ class BoundArguments:
         """A function (config -> None) that runs `product` once with that config.
 
         Meta tensors become real ones (``op.real_argument``). A gradient product runs alone
-        through autograd: only the inputs it differentiates require grad.
+        through autograd: only the inputs it differentiates require grad. A donated argument
+        (a KV cache) is copied first: every run writes it, and the caller's must stay as it was.
         """
         spec = self.op.product(product)
         generator = torch.Generator().manual_seed(seed)
         arguments = {name: self.op.real_argument(self, name, value, generator)
                      for name, value in self.arguments.items()}
+        for name in self.op.donated_args:
+            given = self.arguments.get(name)
+            if isinstance(given, torch.Tensor) and given.device.type != "meta":
+                arguments[name] = arguments[name].clone()
         if not spec.wrt:
             def run_forward(config) -> None:
                 with torch.no_grad():
@@ -291,12 +296,24 @@ class Op:
         return f"tokamax_torch.ops.{self.family}.{self.name}"
 
     def _split_configs(self, configs) -> tuple:
-        """``configs=(fwd, bwd)`` or None, as the pair (fwd, bwd)."""
+        """``configs=(fwd, bwd)`` or None, as the pair (fwd, bwd). A Config object must be this
+        op's: the C++ side checks only the field count and bounds, so another op's Config of the
+        same width would run with its fields reinterpreted by position. An op without backward
+        products takes None as bwd."""
         if configs is None:
             return None, None
         if not isinstance(configs, (tuple, list)) or len(configs) != 2:
             raise TypeError(f"{self.family}: configs must be a (fwd, bwd) pair or None, got {configs!r}")
-        return configs[0], configs[1]
+        fwd, bwd = configs
+        own = tuple(c for c in (self.config_cls, self.backward_config_cls) if c is not None)
+        for name, config, allowed in (("configs[0]", fwd, own[:1]), ("configs[1]", bwd, own)):
+            if dataclasses.is_dataclass(config) and not isinstance(config, allowed):
+                raise TypeError(f"{self.family}: {name} must be {' or '.join(c.__qualname__ for c in allowed) or 'None'} "
+                                f"of {self.family} (or a sequence of ints, or None), got {type(config).__module__}."
+                                f"{type(config).__qualname__}")
+        if bwd is not None and not any(spec.wrt for spec in self.product_specs):
+            raise TypeError(f"{self.family}: the op has no backward config; configs[1] must be None, got {bwd!r}")
+        return fwd, bwd
 
     def _check_donated_args(self, op) -> tuple[int, ...]:
         """The schema positions of ``donated_args``; TypeError unless they are exactly the schema's

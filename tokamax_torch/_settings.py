@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 CACHE_MISS_CHOICES = ("heuristics", "warn", "error")
 
@@ -14,18 +15,34 @@ class Settings:
     ``TOKAMAX_TORCH_AUTOTUNING_CACHE_MISS``.
 
     ``cache_dir``: the user autotuning cache, overlaying the shipped one. Environment variable:
-    ``TOKAMAX_TORCH_CACHE_DIR``; default ``~/.cache/tokamax_torch``.
+    ``TOKAMAX_TORCH_CACHE_DIR``; default ``~/.cache/tokamax_torch``; ``~`` is expanded.
+
+    An empty environment variable means the default. A bad value in one warns, naming the
+    variable, and keeps the default: a lookup setting must not stop ``import tokamax_torch``.
+    Setting a bad value on ``tokamax_torch.config`` raises.
     """
 
     def __init__(self) -> None:
-        self.autotuning_cache_miss = os.environ.get("TOKAMAX_TORCH_AUTOTUNING_CACHE_MISS", "heuristics")
-        self.cache_dir = os.environ.get("TOKAMAX_TORCH_CACHE_DIR") or os.path.join(
-            os.path.expanduser("~"), ".cache", "tokamax_torch")
+        self.autotuning_cache_miss = "heuristics"
+        self.cache_dir = os.path.join("~", ".cache", "tokamax_torch")
+        for name, variable in (("autotuning_cache_miss", "TOKAMAX_TORCH_AUTOTUNING_CACHE_MISS"),
+                               ("cache_dir", "TOKAMAX_TORCH_CACHE_DIR")):
+            value = os.environ.get(variable, "")
+            if not value:
+                continue
+            try:
+                setattr(self, name, value)
+            except ValueError as exc:
+                warnings.warn(f"{variable}={value!r} ignored: {exc}", stacklevel=2)
 
     def __setattr__(self, name: str, value) -> None:
         if name == "autotuning_cache_miss" and value not in CACHE_MISS_CHOICES:
             raise ValueError(f"tokamax_torch.config.autotuning_cache_miss must be one of "
                              f"{CACHE_MISS_CHOICES}, got {value!r}")
+        if name == "cache_dir":
+            if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+                raise ValueError(f"tokamax_torch.config.cache_dir must be a non-empty path, got {value!r}")
+            value = os.path.expanduser(os.fspath(value))
         if name not in ("autotuning_cache_miss", "cache_dir"):
             raise AttributeError(f"tokamax_torch.config has no setting {name!r}")
         object.__setattr__(self, name, value)

@@ -99,11 +99,15 @@ class AutotuningResult:
     products: list  # [ProductResult]
     metadata: dict
     cache_path: Optional[str] = None
+    untuned: dict = dataclasses.field(default_factory=dict)  # product -> its heuristic config
 
     @property
     def configs(self):
-        """The best (fwd, bwd) pair, ready for ``configs=``."""
-        return _registry.family(self.op).kernel.assemble_configs({p.product: p.best for p in self.products})
+        """The best (fwd, bwd) pair, ready for ``configs=``; a product the run did not tune
+        (``products=``) takes its heuristic config."""
+        best = dict(self.untuned)
+        best.update({p.product: p.best for p in self.products})
+        return _registry.family(self.op).kernel.assemble_configs(best)
 
     def __str__(self) -> str:
         lines = [f"autotuning {self.op} on {self.device_kind}",
@@ -174,7 +178,7 @@ def autotune(op, *args, products=None, warmup: int = 1, reps: int = 5, budget_s:
         raise ValueError(f"autotuning: {op!r} has no configs to tune")
     if reps < 1 or warmup < 0:
         raise ValueError(f"autotuning: reps must be >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
-    products = list(products or op.products)
+    products = [products] if isinstance(products, str) else list(products or op.products)
     for p in products:
         op.product(p)  # ValueError naming the products for an unknown one
     candidates = {p: bound.config_space(p) for p in products}
@@ -183,9 +187,12 @@ def autotune(op, *args, products=None, warmup: int = 1, reps: int = 5, budget_s:
     total = sum(len(c) for c in candidates.values())
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, desc=f"autotuning {op.family}", unit="config", leave=False)
+        try:  # tqdm is an optional extra: the run time depends on torch only
+            from tqdm.auto import tqdm
+        except ImportError:
+            tqdm = None
+        if tqdm is not None:
+            bar = tqdm(total=total, desc=f"autotuning {op.family}", unit="config", leave=False)
     measured = []
     try:
         for product in products:
@@ -204,7 +211,8 @@ def autotune(op, *args, products=None, warmup: int = 1, reps: int = 5, budget_s:
     finally:
         if bar is not None:
             bar.close()
-    result = AutotuningResult(op.family, _device_kind(), measured, _metadata())
+    result = AutotuningResult(op.family, _device_kind(), measured, _metadata(),
+                              untuned={p: bound.heuristic_config(p) for p in op.products if p not in products})
     if write_cache:
         cache = ConfigCache(op.family, result.device_kind, op.config_cls)
         path = cache.record({canonical_key(p.key): {"results": p.results, "metadata": result.metadata}

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -61,11 +62,14 @@ size_t LimitFromEnvironment() {
   const char* value = std::getenv("TOKAMAX_BUFFER_CACHE_MIB");
   if (value == nullptr || *value == '\0') return DefaultLimit();
   char* end = nullptr;
+  errno = 0;
   const long long mib = std::strtoll(value, &end, 10);
   // Anything but a non-negative integer keeps the default (a warning would need a logger the
-  // core does not have; docs/design.md states the format).
-  if (*end != '\0' || mib < 0) return DefaultLimit();
-  return static_cast<size_t>(mib) << 20;
+  // core does not have; docs/design.md states the format). Values whose bytes pass 2^62 (far
+  // past any memory) are held at that: shifted, they would wrap to 0 or a negative limit.
+  if (*end != '\0' || mib < 0 || errno == ERANGE) return DefaultLimit();
+  constexpr long long kMaxMib = (1LL << 62) >> 20;
+  return static_cast<size_t>(std::min(mib, kMaxMib)) << 20;
 }
 
 struct Mapping {
