@@ -114,19 +114,27 @@ void SetTileRanges(RowMasks& rm, int64_t count, int64_t s0, int64_t keys) {
 
 namespace {
 
+// A bool mask's bytes read 8 at a time where the keys are contiguous: the word at key s, and
+// whether some byte of it is zero (a hidden key).
+uint64_t MaskWord(const uint8_t* row, int64_t s) {
+  uint64_t word;
+  std::memcpy(&word, row + s, sizeof(word));
+  return word;
+}
+bool HasZeroByte(uint64_t word) {
+  constexpr uint64_t kLows = 0x0101010101010101ull, kHighs = 0x8080808080808080ull;
+  return ((word - kLows) & ~word & kHighs) != 0;
+}
+
 // Whether the bool mask shows any, and every, key of [begin, end) to row `row` (its bytes from
-// `row` on, `stride` apart): words of 8 bytes where the keys are contiguous.
+// `row` on, `stride` apart).
 void ScanMaskRun(const uint8_t* row, int64_t stride, int64_t begin, int64_t end, bool* any, bool* all) {
   int64_t s = begin;
-  if (stride == 1) {
-    constexpr uint64_t kLows = 0x0101010101010101ull, kHighs = 0x8080808080808080ull;
-    for (; s + 8 <= end; s += 8) {
-      uint64_t word;
-      std::memcpy(&word, row + s, sizeof(word));
-      if (word != 0) *any = true;
-      if (((word - kLows) & ~word & kHighs) != 0) *all = false;  // some byte is zero
-      if (*any && !*all) return;
-    }
+  for (; stride == 1 && s + 8 <= end; s += 8) {
+    const uint64_t word = MaskWord(row, s);
+    if (word != 0) *any = true;
+    if (HasZeroByte(word)) *all = false;
+    if (*any && !*all) return;
   }
   for (; s < end; ++s) {
     if (row[s * stride] != 0) *any = true;
@@ -135,29 +143,21 @@ void ScanMaskRun(const uint8_t* row, int64_t stride, int64_t begin, int64_t end,
 }
 
 // The one run of visible keys [*begin, *end) of a mask row of `keys` bytes `stride` apart ({0, 0}
-// when it shows none); false when its visible keys are not one run. Words of 8 bytes where the
-// keys are contiguous.
+// when it shows none); false when its visible keys are not one run.
 bool MaskRowRun(const uint8_t* row, int64_t stride, int64_t keys, int64_t* begin, int64_t* end) {
-  constexpr uint64_t kLows = 0x0101010101010101ull, kHighs = 0x8080808080808080ull;
   const bool words = stride == 1;
-  auto word_at = [row](int64_t s) {
-    uint64_t word;
-    std::memcpy(&word, row + s, sizeof(word));
-    return word;
-  };
-  auto has_zero_byte = [](uint64_t word) { return ((word - kLows) & ~word & kHighs) != 0; };
   int64_t s = 0;
-  while (words && s + 8 <= keys && word_at(s) == 0) s += 8;
+  while (words && s + 8 <= keys && MaskWord(row, s) == 0) s += 8;
   while (s < keys && row[s * stride] == 0) ++s;
   if (s == keys) {
     *begin = *end = 0;
     return true;
   }
   *begin = s;
-  while (words && s + 8 <= keys && !has_zero_byte(word_at(s))) s += 8;
+  while (words && s + 8 <= keys && !HasZeroByte(MaskWord(row, s))) s += 8;
   while (s < keys && row[s * stride] != 0) ++s;
   *end = s;
-  while (words && s + 8 <= keys && word_at(s) == 0) s += 8;
+  while (words && s + 8 <= keys && MaskWord(row, s) == 0) s += 8;
   while (s < keys && row[s * stride] == 0) ++s;
   return s == keys;
 }
