@@ -104,6 +104,13 @@ def test_representative_group_sizes_make_their_own_key():
     assert by_shape == tokamax_torch.get_configs(tokamax_torch.ragged_dot, *small_args())
 
 
+@pytest.mark.parametrize("sizes", [[10, 50.7, 36], [10, True, 36], [10, "50", 36]])
+def test_representative_group_sizes_must_be_ints(sizes):
+    lhs, rhs, _ = small_args()
+    with pytest.raises(TypeError, match=r"ragged_dot: group_sizes\[1\] must be an int"):
+        tokamax_torch.get_configs(tokamax_torch.ragged_dot, lhs, rhs, sizes)
+
+
 def test_meta_tensors_with_representative_group_sizes():
     lhs, rhs, _ = (t.to("meta") for t in small_args())
     sizes = [10, 50, 36]
@@ -186,6 +193,11 @@ BAD_FILES = {
     "tile size 0": _file(_entry(dict(GOOD, block_m=0))),
     "tile size 1e9": _file(_entry(dict(GOOD, block_n=10**9))),
     "negative timing": _file({k: dict(v, results=[dict(v["results"][0], median_ms=-1)]) for k, v in _entry(GOOD).items()}),
+    "infinite timing": _file(_entry(GOOD)).replace('"median_ms": 1.0', '"median_ms": Infinity'),
+    "NaN timing": _file(_entry(GOOD)).replace('"min_ms": 0.9', '"min_ms": NaN'),
+    "overflowing timing": _file(_entry(GOOD)).replace('"median_ms": 1.0', '"median_ms": 1e400'),
+    "a member twice": _file(_entry(GOOD)).replace('"op": "ragged_dot"', '"op": "ragged_dot", "op": "ragged_dot"'),
+    "one key spelt twice": _file({**_entry(GOOD), **{k.replace(",", ", "): v for k, v in _entry(GOOD).items()}}),
     "not utf-8": b"\xff\xfe\x00garbage",
     "deep nesting": "[" * 100000,
     "huge integer": '{"format": ' + "9" * 5000 + "}",
@@ -326,6 +338,12 @@ def test_command_line(user_cache):
     bad = subprocess.run([sys.executable, "-m", "tokamax_torch.autotune", "ragged_dot", "--shape", "1,2"],
                          env=_env(user_cache), capture_output=True, text=True)
     assert bad.returncode != 0 and "--shape must be M,K,N,G" in bad.stderr
+    # A shape the op itself refuses (group sizes that do not add up to M): its message, no traceback.
+    refused = subprocess.run(
+        [sys.executable, "-m", "tokamax_torch.autotune", "ragged_dot", "--shape", "16,8,8,2", "--group-sizes", "6,11",
+         "--reps", "1", "--no-write"], env=_env(user_cache), capture_output=True, text=True)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "--shape 16,8,8,2 (float32)" in refused.stderr and "group_sizes" in refused.stderr
 
 
 def test_command_line_tunes_dot_product_attention(user_cache):

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import math
 import os
 import pathlib
 import tempfile
@@ -65,14 +66,27 @@ def _is_int(v) -> bool:
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite number: Python's json reads `Infinity` and `NaN`, which no timing is."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _unique_pairs(pairs: list) -> dict:
+    """An object's members, refusing a repeated name: json.loads would keep the last silently."""
+    out = {}
+    for name, value in pairs:
+        if name in out:
+            raise CacheFileError(f"member {name[:200]!r} appears twice in one object")
+        out[name] = value
+    return out
 
 
 def parse_file(text: str, op: str, device_kind: str, config_cls) -> dict:
     """Validated entries of one file: {key: {"results": [...], "metadata": {...}}}, configs as
     config_cls instances. Raises CacheFileError saying what is wrong."""
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_unique_pairs)
+    except CacheFileError:
+        raise
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, huge ints, deep nesting
         raise CacheFileError(f"not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     _check(isinstance(data, dict), "the top level must be an object")
@@ -87,7 +101,7 @@ def parse_file(text: str, op: str, device_kind: str, config_cls) -> dict:
     for key, entry in entries.items():
         _check(isinstance(entry, dict), f"entry {key!r} must be an object")
         try:
-            key_obj = json.loads(key)
+            key_obj = json.loads(key, object_pairs_hook=_unique_pairs)
         except (ValueError, RecursionError):
             raise CacheFileError(f"key {key[:200]!r} is not a JSON argument spec") from None
         _check(isinstance(key_obj, dict), f"key {key!r} must encode an object")
@@ -100,7 +114,8 @@ def parse_file(text: str, op: str, device_kind: str, config_cls) -> dict:
             _check(isinstance(cfg, dict) and sorted(cfg) == sorted(fields) and all(_is_int(cfg[f]) for f in fields),
                    f"entry {key!r}: config must be an object with int fields {fields}, got {cfg!r}")
             for stat in ("median_ms", "min_ms"):
-                _check(_is_number(r.get(stat)) and r[stat] >= 0, f"entry {key!r}: {stat} must be a number >= 0")
+                _check(_is_number(r.get(stat)) and r[stat] >= 0,
+                   f"entry {key!r}: {stat} must be a finite number >= 0, got {r.get(stat)!r}")
             _check(_is_int(r.get("samples")) and r["samples"] > 0, f"entry {key!r}: samples must be a positive int")
             try:
                 config = config_cls(**{f: cfg[f] for f in fields})  # runs the C++ Validate()
@@ -110,7 +125,10 @@ def parse_file(text: str, op: str, device_kind: str, config_cls) -> dict:
                           "samples": r["samples"]})
         metadata = entry.get("metadata", {})
         _check(isinstance(metadata, dict), f"entry {key!r}: metadata must be an object")
-        parsed[canonical_key(key_obj)] = {"results": clean, "metadata": metadata}
+        canonical = canonical_key(key_obj)
+        # Two spellings of one argument spec (member order, spacing) would shadow each other.
+        _check(canonical not in parsed, f"key {key!r} repeats an earlier key's argument spec")
+        parsed[canonical] = {"results": clean, "metadata": metadata}
     return parsed
 
 

@@ -67,6 +67,11 @@ def _flags(parser: argparse.ArgumentParser) -> set[str]:
     return {flag for action in parser._actions for flag in action.option_strings}
 
 
+def _first_part(exc: Exception) -> str:
+    """An exception's message without the C++ frames torch appends to a check's message."""
+    return str(exc).split("\nException raised from", 1)[0].strip()
+
+
 def main(argv=None) -> int:
     import tokamax_torch
 
@@ -93,9 +98,13 @@ def main(argv=None) -> int:
                 bound = op.cli_call(shape, getattr(torch, dtype_name), args)
             except (TypeError, ValueError) as exc:
                 sub.error(str(exc))
-            result = tokamax_torch.autotune(
-                bound, reps=args.reps, warmup=args.warmup, budget_s=args.budget_s, max_configs=args.max_configs,
-                write_cache=not args.no_write, products=products)
+            try:
+                result = tokamax_torch.autotune(
+                    bound, reps=args.reps, warmup=args.warmup, budget_s=args.budget_s,
+                    max_configs=args.max_configs, write_cache=not args.no_write, products=products)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                # The op's own argument checks (a shape it refuses): its message, not a traceback.
+                sub.error(f"--shape {shape} ({dtype_name}): {_first_part(exc)}")
             print(f"shape {shape}, {dtype_name}")
             print(result)
             print()

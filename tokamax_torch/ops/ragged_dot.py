@@ -142,8 +142,9 @@ class _RaggedDot(_op.Op):
         """Dimension numbers flat (DEFAULT for None), the output dtype a torch.dtype, and group
         sizes given as a Python sequence (representative sizes) a tuple of ints."""
         sizes = arguments["group_sizes"]
-        if not isinstance(sizes, torch.Tensor):
-            arguments["group_sizes"] = tuple(int(v) for v in sizes)
+        if not isinstance(sizes, torch.Tensor):  # 2.7 is not truncated to 2 (nor True taken for 1)
+            arguments["group_sizes"] = tuple(_op.scalar_int(self.family, f"group_sizes[{i}]", v)
+                                             for i, v in enumerate(sizes))
         arguments["ragged_dot_dimension_numbers"] = tuple(
             _flat_dimension_numbers(arguments["ragged_dot_dimension_numbers"]) or DEFAULT.flatten())
         arguments["preferred_element_type"] = _dtype(arguments["preferred_element_type"])

@@ -30,7 +30,6 @@ RaggedPagedAttentionConfig RaggedPagedAttentionHeuristicConfig(const RaggedPaged
   // them (32 x 8 heads x 512 B = 128 KiB fp32). Measured on the decode benchmark (B = 32, 1k-8k
   // tokens, 2 threads, Intel AMX machine): fp32 60 / 61 / 71 / 81 ms at 32 / 64 / 128 / 256 keys,
   // bf16 35 ms from 16 to 128 keys, 38 ms at 256.
-  (void)cpu;
   config.block_kv = 32;
   // A prefill task holds 32 tokens of one kv head's group: 128 rows of fp32 q and acc (64 KiB at
   // D = 128) against the streamed K/V tile; a decode task (1 token) every kv head of its sequence.
@@ -53,8 +52,11 @@ RaggedPagedAttentionConfig RaggedPagedAttentionHeuristicConfig(const RaggedPaged
   // scattered pages; docs/benchmarks.md). The products' work per byte of K/V is rows / element
   // size: staging gained at up to 2 rows a byte (Zen 5, 16-token pages, staged / in place: 4 rows
   // bf16 1.32x, 8 rows fp32 1.06-1.20x), was even at 4 (8 rows bf16 0.96-1.01x) and cost 5-17% at
-  // 16 rows, where the products bound.
-  config.stage_rows = 2 * DTypeSize(dtype);
+  // 16 rows, where the products bound. Zen 5 (AMD family 0x1a) and later only: on Zen 4 the same
+  // decode batches ran 1.15-1.54x slower staged (bf16 page 16 24.7 -> 36.9 ms, fp32 page 128
+  // 52.2 -> 60.4), and Intel was measured in place only.
+  const bool stage = cpu.vendor == "amd" && cpu.family >= 0x1a;
+  config.stage_rows = stage ? 2 * DTypeSize(dtype) : 0;
   config.split_kv = std::min<int64_t>(config.split_kv, ConfigFieldNamed<RaggedPagedAttentionConfig>("split_kv").max /
                                                            config.block_kv * config.block_kv);
   return config;

@@ -185,6 +185,28 @@ TEST(RaggedPagedAttentionConfigTest, SplitMustBeAMultipleOfTheBlock) {
   EXPECT_TRUE(config.Validate().ok());
 }
 
+TEST(RaggedPagedAttentionConfigTest, DecodeStagesOnlyWhereMeasuredToGain) {
+  // Staging measured faster on Zen 5 and slower on Zen 4; Intel was measured in place only.
+  RaggedPagedAttentionShape decode;
+  decode.tokens = decode.num_seqs = 32;
+  decode.q_heads = 32;
+  decode.kv_heads = 8;
+  decode.head_dim = 128;
+  decode.page_size = 16;
+  decode.pages_per_seq = 512;
+  decode.total_pages = 32 * 512;
+  auto stage_rows = [&](const char* vendor, int family, DType dtype) {
+    CpuInfo cpu;
+    cpu.vendor = vendor;
+    cpu.family = family;
+    return RaggedPagedAttentionHeuristicConfig(decode, dtype, cpu, RaggedPagedAttentionProduct::kForward).stage_rows;
+  };
+  EXPECT_EQ(stage_rows("amd", 0x1a, DType::kBFloat16), 4);
+  EXPECT_EQ(stage_rows("amd", 0x1a, DType::kFloat32), 8);
+  EXPECT_EQ(stage_rows("amd", 0x19, DType::kBFloat16), 0);
+  EXPECT_EQ(stage_rows("intel", 6, DType::kBFloat16), 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(AllTiers, RaggedPagedAttentionTest,
                          ::testing::Combine(::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16,
                                                               Isa::kAmx),
