@@ -138,7 +138,10 @@ def test_decode_blocking_follows_the_weights_layout():
     contiguous = fe.kernel.get_configs(x, w1, w2, weights, ids)[0]
     views = fe.kernel.get_configs(x, v1, v2, weights, ids)[0]
     fp32 = fe.kernel.get_configs(x.float(), w1.float(), w2.float(), weights, ids)[0]
-    assert contiguous.block_k != views.block_k and views.block_k == fp32.block_k
+    # The streaming blocking's numbers are per machine class (Zen 4 keeps 256-deep slices for
+    # bf16, others take 32); every class gives it 1024-wide blocks against the packed 512.
+    blocking = lambda c: (c.block_k, c.block_n)  # noqa: E731
+    assert blocking(contiguous) != blocking(views) and blocking(views) == blocking(fp32)
     assert fe.kernel.cache_key(x, w1, w2, weights, ids)["weights_in_place"] is True
     assert fe.kernel.cache_key(x, v1, v2, weights, ids)["weights_in_place"] is False
     torch.testing.assert_close(fe.kernel(x, w1, w2, weights, ids).float(), fe.kernel(x, v1, v2, weights, ids).float(),
