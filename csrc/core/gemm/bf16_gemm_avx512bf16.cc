@@ -19,10 +19,22 @@ namespace {
 // A kRows x (16 * kPanels) block of C over the whole depth, one fp32 accumulator per (row,
 // panel). Each depth pair broadcasts A(i, p), A(i, p + 1) as one 32-bit lane pair and
 // multiplies it into a panel's 16 column pairs with one vdpbf16ps; every element of C sums its
-// pairs in depth order, whatever block it falls in.
+// pairs in depth order, whatever block it falls in. When accumulating, the block that runs next
+// (next_c, kRows rows of 48 columns, or null) is asked for into L2: the accumulators start from
+// C so that the bits do not depend on the depth slicing, and a slice's C (the caller's tile
+// buffer, larger than L2 for a whole task) was otherwise waited for at every block's start.
 template <int kRows, int kPanels>
 void DotBlock(int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t panel, float* c, int64_t ldc,
-              bool accumulate, float scale) {
+              bool accumulate, float scale, const float* next_c) {
+  if (accumulate && next_c != nullptr) {
+#pragma GCC unroll 8
+    for (int i = 0; i < kRows; ++i) {
+      const char* row = reinterpret_cast<const char*>(next_c + i * ldc);
+      _mm_prefetch(row, _MM_HINT_T1);
+      _mm_prefetch(row + 64, _MM_HINT_T1);
+      _mm_prefetch(row + 128, _MM_HINT_T1);
+    }
+  }
   __m512 acc[kRows][kPanels];
 #pragma GCC unroll 8
   for (int i = 0; i < kRows; ++i) {
@@ -57,16 +69,22 @@ void DotBlock(int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b, 
   }
 }
 
-// kRows-row strips of C, three panels (48 columns) at a time, then the last one or two.
+// kRows-row strips of C, three panels (48 columns) at a time, then the last one or two. Each
+// block asks for the next one's C: the strip's next block, else `next_strip` (null: none).
 template <int kRows>
 void DotRows(int64_t n, int64_t depth, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t panel, float* c,
-             int64_t ldc, bool accumulate, float scale) {
+             int64_t ldc, bool accumulate, float scale, const float* next_strip) {
   int64_t j0 = 0;
+  auto next = [&](int64_t j) { return j < n ? c + j : next_strip; };
   for (; j0 + 48 <= n; j0 += 48) {
-    DotBlock<kRows, 3>(depth, a, lda, b + (j0 / 16) * panel, panel, c + j0, ldc, accumulate, scale);
+    DotBlock<kRows, 3>(depth, a, lda, b + (j0 / 16) * panel, panel, c + j0, ldc, accumulate, scale, next(j0 + 48));
   }
-  if (n - j0 == 32) DotBlock<kRows, 2>(depth, a, lda, b + (j0 / 16) * panel, panel, c + j0, ldc, accumulate, scale);
-  if (n - j0 == 16) DotBlock<kRows, 1>(depth, a, lda, b + (j0 / 16) * panel, panel, c + j0, ldc, accumulate, scale);
+  if (n - j0 == 32) {
+    DotBlock<kRows, 2>(depth, a, lda, b + (j0 / 16) * panel, panel, c + j0, ldc, accumulate, scale, next_strip);
+  }
+  if (n - j0 == 16) {
+    DotBlock<kRows, 1>(depth, a, lda, b + (j0 / 16) * panel, panel, c + j0, ldc, accumulate, scale, next_strip);
+  }
 }
 
 using TOKAMAX_TIER_NAMESPACE::Exp;
@@ -95,7 +113,8 @@ void DotGemmBf16(int64_t m, int64_t n, int64_t depth, const uint16_t* a, int64_t
                  int64_t ldc, bool accumulate, float scale) {
   const int64_t panel = depth * 16;  // elements of one 16-column VNNI panel
   for (int64_t i0 = 0; i0 < m; i0 += 8) {
-    DotRows<8>(n, depth, a + i0 * lda, lda, b, panel, c + i0 * ldc, ldc, accumulate, scale);
+    DotRows<8>(n, depth, a + i0 * lda, lda, b, panel, c + i0 * ldc, ldc, accumulate, scale,
+               i0 + 8 < m ? c + (i0 + 8) * ldc : nullptr);
   }
 }
 

@@ -210,7 +210,11 @@ GatedPanel GatedPanelOf(const ConstMatrix& b, const GemmGate& gate, int64_t jc, 
 // (GemmPrologue's gather), or x for a null map.
 void PackABf16(const ConstMatrix& a, int64_t row0, int64_t rows, int64_t k0, int64_t depth, const int64_t* row_map,
                uint16_t* dst, int64_t ld) {
-  std::fill(dst, dst + RoundUp(rows, kBf16TileRows) * ld, uint16_t{0});
+  // Zeros in the padding only: the rows past `rows` and each row's columns past `depth`.
+  if (depth < ld) {
+    for (int64_t i = 0; i < rows; ++i) std::fill(dst + i * ld + depth, dst + (i + 1) * ld, uint16_t{0});
+  }
+  std::fill(dst + rows * ld, dst + RoundUp(rows, kBf16TileRows) * ld, uint16_t{0});
   const uint16_t* origin = static_cast<const uint16_t*>(a.data) + k0 * a.col_stride;
   if (row_map == nullptr) {
     CopyBf16(origin + row0 * a.row_stride, a.row_stride, a.col_stride, rows, depth, /*transpose=*/false, dst, ld);
