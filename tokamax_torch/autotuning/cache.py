@@ -115,7 +115,7 @@ def parse_file(text: str, op: str, device_kind: str, config_cls) -> dict:
                    f"entry {key!r}: config must be an object with int fields {fields}, got {cfg!r}")
             for stat in ("median_ms", "min_ms"):
                 _check(_is_number(r.get(stat)) and r[stat] >= 0,
-                   f"entry {key!r}: {stat} must be a finite number >= 0, got {r.get(stat)!r}")
+                       f"entry {key!r}: {stat} must be a finite number >= 0, got {r.get(stat)!r}")
             _check(_is_int(r.get("samples")) and r["samples"] > 0, f"entry {key!r}: samples must be a positive int")
             try:
                 config = config_cls(**{f: cfg[f] for f in fields})  # runs the C++ Validate()
